@@ -1,0 +1,166 @@
+"""Qwen2.5-VL / Qwen3-VL adapters: decoded frames + a resize plan -> model inputs -> generation.
+
+A plan gives every frame pair its own size. Each pair becomes its own 2-frame video item with
+one `video_grid_thw` row (1, h_k, w_k); the prompt keeps the stock single
+`<|vision_start|> ... <|vision_end|>` block with one `<|video_pad|>` per pair, which the
+processor expands to exactly the plan's tokens. When all pairs share one size the input ids and
+pixels equal the stock single-video path.
+
+Positions: Qwen3-VL's stock rope already gives every pair its own temporal group (the processor
+writes a `<t seconds>` timestamp per pair). Qwen2.5-VL's stock rope treats a run of video tokens
+as one video, so `Qwen25VLAdapter` builds the M-RoPE positions itself: pair k keeps the stock
+temporal index of pair k, and its h/w indices span its own merged grid.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from torchvision.transforms import InterpolationMode
+from torchvision.transforms.functional import resize
+from transformers import AutoModelForImageTextToText, AutoProcessor
+from transformers.video_utils import VideoMetadata
+
+from ..budget.plan import QWEN3VL_GRID, QWEN25VL_GRID, ResizePlan, TokenGrid
+from ..video import DecodedVideo
+
+VIDEO_PAD = "<|video_pad|>"
+VIDEO_TOKEN_TYPE = 2  # mm_token_type_ids: text 0, image 1, video 2
+
+
+def resize_frames(frames: np.ndarray, height: int, width: int) -> torch.Tensor:
+    """Bicubic, antialiased resize of uint8 frames (T, H, W, 3) to (T, 3, height, width) uint8,
+    the interpolation qwen-vl-utils uses when it fetches videos."""
+    video = torch.from_numpy(np.ascontiguousarray(frames)).permute(0, 3, 1, 2)
+    if video.shape[-2:] == (height, width):
+        return video
+    return resize(video, [height, width], interpolation=InterpolationMode.BICUBIC, antialias=True)
+
+
+class QwenVideoAdapter:
+    """Shared machinery; subclasses fix the token grid and the position rule."""
+
+    grid: TokenGrid
+
+    def __init__(self, model, processor):
+        self.model = model
+        self.processor = processor
+        self.tokenizer = processor.tokenizer
+
+    @classmethod
+    def from_pretrained(cls, path: str, device: str = "cpu", dtype: str = "auto", attn_implementation: str | None = None):
+        """Load model and processor from a `save_pretrained` folder or hub id."""
+        kwargs = {"dtype": dtype if dtype == "auto" else getattr(torch, dtype)}
+        if attn_implementation:
+            kwargs["attn_implementation"] = attn_implementation
+        model = AutoModelForImageTextToText.from_pretrained(path, **kwargs).to(device).eval()
+        return cls(model, AutoProcessor.from_pretrained(path))
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.device
+
+    # ------------------------------------------------------------------ inputs
+    def pair_metadata(self, video: DecodedVideo, plan: ResizePlan) -> list[VideoMetadata]:
+        raise NotImplementedError
+
+    def build_inputs(self, prompt: str, video: DecodedVideo, plan: ResizePlan) -> dict:
+        """Tokenised prompt with the video realised at the plan's per-pair sizes.
+
+        `prompt` is chat-formatted text holding one `<|video_pad|>` where the video goes.
+        Returns tensors for `model.generate` (batch of one).
+        """
+        if prompt.count(VIDEO_PAD) != 1:
+            raise ValueError(f"the prompt must hold exactly one {VIDEO_PAD}, found {prompt.count(VIDEO_PAD)}")
+        pairs = [resize_frames(video.frames[list(group)], h, w) for group, (h, w) in zip(plan.pair_frames, plan.pair_sizes)]
+        text = prompt.replace(VIDEO_PAD, VIDEO_PAD * len(pairs))
+        inputs = self.processor(
+            text=[text],
+            videos=pairs,
+            video_metadata=self.pair_metadata(video, plan),
+            do_resize=False,
+            do_sample_frames=False,
+            return_tensors="pt",
+        )
+        placeholders = int((inputs["input_ids"] == self.processor.video_token_id).sum())
+        if placeholders != plan.visual_tokens:
+            raise RuntimeError(f"processor wrote {placeholders} video placeholders, the plan counts {plan.visual_tokens}")
+        inputs = inputs.to(self.device)
+        if "pixel_values_videos" in inputs:
+            inputs["pixel_values_videos"] = inputs["pixel_values_videos"].to(self.model.dtype)
+        positions = self.position_ids(inputs, plan)
+        if positions is not None:
+            inputs["position_ids"] = positions
+        return dict(inputs)
+
+    def position_ids(self, inputs, plan: ResizePlan) -> torch.Tensor | None:
+        """Explicit M-RoPE positions (3, 1, L), or None where the stock rope is already right."""
+        return None
+
+    # ------------------------------------------------------------------ generation
+    @torch.inference_mode()
+    def generate(self, inputs: dict, max_new_tokens: int = 128, temperature: float = 0.0, top_p: float | None = None, num_beams: int = 1) -> tuple[str, int]:
+        """Generate from `build_inputs` output; returns (text, number of generated tokens)."""
+        self.model.model.rope_deltas = None  # never reuse positions cached by an earlier call
+        sampling = dict(do_sample=True, temperature=temperature, top_p=top_p) if temperature and temperature > 0 else dict(do_sample=False)
+        out = self.model.generate(
+            **inputs,
+            max_new_tokens=max_new_tokens,
+            num_beams=num_beams,
+            eos_token_id=self.tokenizer.eos_token_id,
+            pad_token_id=self.tokenizer.pad_token_id,
+            **sampling,
+        )
+        new_tokens = out[0, inputs["input_ids"].shape[1] :]
+        return self.tokenizer.decode(new_tokens, skip_special_tokens=True), int(new_tokens.numel())
+
+
+class Qwen25VLAdapter(QwenVideoAdapter):
+    grid = QWEN25VL_GRID
+
+    def pair_metadata(self, video: DecodedVideo, plan: ResizePlan) -> list[VideoMetadata]:
+        # Each 2-frame item runs at the sampled frame rate, so the processor's
+        # second_per_grid_ts equals the stock single-video value (2 / sampled_fps).
+        return [VideoMetadata(total_num_frames=2, fps=video.sampled_fps, frames_indices=[0, 1]) for _ in plan.pair_sizes]
+
+    def position_ids(self, inputs, plan: ResizePlan) -> torch.Tensor:
+        """Stock Qwen2.5-VL M-RoPE generalised to one grid per pair.
+
+        Text before the video: 0..s-1 on all three axes. Pair k: t = s + floor(k * tokens_per_second
+        * second_per_grid_ts), h/w = s + row/col of its own merged grid. Text after the video
+        continues from s + max_k max(h_k, w_k), which is the stock rule when all pairs are equal.
+        """
+        input_ids = inputs["input_ids"][0]
+        is_video = inputs["mm_token_type_ids"][0] == VIDEO_TOKEN_TYPE
+        video_at = torch.nonzero(is_video).flatten()
+        start, end = int(video_at[0]), int(video_at[-1]) + 1
+        if int(is_video[start:end].sum()) != end - start or int(is_video.sum()) != plan.visual_tokens:
+            raise ValueError("expected one contiguous run of video tokens holding the whole plan")
+        tokens_per_second = self.model.config.vision_config.tokens_per_second
+        time_interval = tokens_per_second * inputs["second_per_grid_ts"][0]
+        temporal = (torch.arange(len(plan.grids), device=input_ids.device) * time_interval).long()
+        blocks = []
+        for k, (_, h, w) in enumerate(plan.grids):
+            hh, ww = torch.meshgrid(torch.arange(h), torch.arange(w), indexing="ij")
+            t = torch.full((h * w,), int(temporal[k]))
+            blocks.append(torch.stack([t, hh.flatten(), ww.flatten()]) + start)
+        video_pos = torch.cat(blocks, dim=1).to(input_ids.device)
+        after = start + max(max(h, w) for _, h, w in plan.grids)
+        text_before = torch.arange(start, device=input_ids.device).expand(3, -1)
+        text_after = (torch.arange(len(input_ids) - end, device=input_ids.device) + after).expand(3, -1)
+        return torch.cat([text_before, video_pos, text_after], dim=1).unsqueeze(1)
+
+
+class Qwen3VLAdapter(QwenVideoAdapter):
+    grid = QWEN3VL_GRID
+
+    def pair_metadata(self, video: DecodedVideo, plan: ResizePlan) -> list[VideoMetadata]:
+        # Frame indices of the pair in the file, so the processor writes the stock timestamp
+        # (mean of the pair's frame times) before each pair.
+        return [
+            VideoMetadata(total_num_frames=video.total_frames, fps=video.fps, frames_indices=[video.indices[i] for i in group])
+            for group in plan.pair_frames
+        ]
+
+
+ADAPTERS = {"qwen25vl": Qwen25VLAdapter, "qwen3vl": Qwen3VLAdapter}

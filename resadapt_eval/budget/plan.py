@@ -1,0 +1,197 @@
+"""Per-frame scales -> per-pair resize plan, with exact visual-token accounting.
+
+Qwen video encoders fuse two consecutive frames into one temporal patch, so both frames of a
+pair share one size. A plan therefore holds one (height, width) in pixels per pair, each a
+multiple of the backbone's token edge (28 px for Qwen2.5-VL, 32 px for Qwen3-VL), and counts
+one LLM token per token-edge x token-edge square of a pair.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import numpy as np
+from qwen_vl_utils import smart_resize
+
+PAIR_REDUCTIONS = ("mean", "max", "min")
+
+
+@dataclass(frozen=True)
+class TokenGrid:
+    """Geometry of a backbone's visual tokens.
+
+    token_px: side in pixels of the square that becomes one LLM token after the merger
+        (patch size x spatial merge: 14 x 2 = 28 for Qwen2.5-VL, 16 x 2 = 32 for Qwen3-VL).
+    temporal_patch: frames fused into one temporal patch (2 for both backbones).
+    """
+
+    token_px: int
+    temporal_patch: int = 2
+
+    def tokens(self, height: int, width: int) -> int:
+        """LLM tokens of one temporal group of frames at (height, width) pixels."""
+        if height % self.token_px or width % self.token_px:
+            raise ValueError(f"size {height}x{width} px is not a multiple of the {self.token_px} px token grid")
+        return (height // self.token_px) * (width // self.token_px)
+
+
+QWEN25VL_GRID = TokenGrid(token_px=28)
+QWEN3VL_GRID = TokenGrid(token_px=32)
+
+
+def base_size(height: int, width: int, grid: TokenGrid, min_pixels: int, max_pixels: int) -> tuple[int, int]:
+    """Vanilla (scale 1) size of one frame in pixels: Qwen's `smart_resize` rule.
+
+    Both sides are rounded to the token grid, then the area is brought into
+    [min_pixels, max_pixels] with the aspect ratio kept.
+    """
+    if min_pixels > max_pixels:
+        raise ValueError(f"min_pixels={min_pixels} exceeds max_pixels={max_pixels}")
+    return smart_resize(height, width, factor=grid.token_px, min_pixels=min_pixels, max_pixels=max_pixels)
+
+
+def scaled_size(
+    base_hw: tuple[int, int],
+    scale: float,
+    grid: TokenGrid,
+    min_tokens: int = 1,
+    max_tokens: int | None = None,
+) -> tuple[int, int]:
+    """Size in pixels of a frame pair resized by `scale` (linear, per side) from `base_hw`.
+
+    Each side is rounded to the token grid with the aspect ratio kept, then the token count is
+    brought into [min_tokens, max_tokens] (explicit bounds; there is no hidden floor).
+    """
+    if not scale > 0:
+        raise ValueError(f"scale must be positive, got {scale}")
+    px = grid.token_px
+    max_pixels = (max_tokens if max_tokens is not None else 1 << 40) * px * px
+    return smart_resize(base_hw[0] * scale, base_hw[1] * scale, factor=px, min_pixels=min_tokens * px * px, max_pixels=max_pixels)
+
+
+def pair_frames(num_frames: int, temporal_patch: int = 2) -> list[tuple[int, ...]]:
+    """Positions (0..T-1) of the frames in each temporal group; an odd tail repeats the last frame,
+    as Qwen's processors pad it."""
+    if num_frames < 1:
+        raise ValueError("a video needs at least one frame")
+    groups = []
+    for start in range(0, num_frames, temporal_patch):
+        group = list(range(start, min(start + temporal_patch, num_frames)))
+        group += [group[-1]] * (temporal_patch - len(group))
+        groups.append(tuple(group))
+    return groups
+
+
+def reduce_pair_scales(scales: Sequence[float], groups: Sequence[tuple[int, ...]], how: str = "mean") -> np.ndarray:
+    """One scale per pair from its frames' scales: `mean` (default), `max` or `min`."""
+    if how not in PAIR_REDUCTIONS:
+        raise ValueError(f"pair reduction must be one of {PAIR_REDUCTIONS}, got {how!r}")
+    s = np.asarray(scales, dtype=np.float64)
+    return np.array([getattr(np, how)(s[list(g)]) for g in groups])
+
+
+@dataclass
+class ResizePlan:
+    """Sizes of every frame pair of one video and the tokens they cost.
+
+    frame_scales: per-frame scales s_t, length T.
+    pair_frames: frame positions of each pair (an odd tail repeats the last frame).
+    pair_sizes: (height, width) in pixels per pair, multiples of grid.token_px.
+    reference_tokens: tokens of the vanilla plan (every pair at base_hw) for the same frames.
+    """
+
+    grid: TokenGrid
+    base_hw: tuple[int, int]
+    frame_scales: list[float]
+    pair_frames: list[tuple[int, ...]]
+    pair_sizes: list[tuple[int, int]]
+    pair_tokens: list[int] = field(init=False)
+    reference_tokens: int = field(init=False)
+
+    def __post_init__(self):
+        self.pair_tokens = [self.grid.tokens(h, w) for h, w in self.pair_sizes]
+        self.reference_tokens = len(self.pair_sizes) * self.grid.tokens(*self.base_hw)
+
+    @property
+    def visual_tokens(self) -> int:
+        """Visual tokens this plan puts into the LLM."""
+        return sum(self.pair_tokens)
+
+    @property
+    def retention(self) -> float:
+        """R = visual tokens / vanilla tokens for the same frames and base resolution."""
+        return self.visual_tokens / self.reference_tokens
+
+    @property
+    def grids(self) -> list[tuple[int, int, int]]:
+        """Merged-token grid (t, h, w) per pair: t=1 temporal patch, h/w in tokens."""
+        px = self.grid.token_px
+        return [(1, h // px, w // px) for h, w in self.pair_sizes]
+
+
+def plan_from_scales(
+    scales: Sequence[float],
+    base_hw: tuple[int, int],
+    grid: TokenGrid,
+    pair_reduction: str = "mean",
+    min_tokens_per_pair: int = 1,
+    max_tokens_per_pair: int | None = None,
+) -> ResizePlan:
+    """Resize plan for T frames with per-frame scales `scales` (linear, relative to `base_hw`)."""
+    scales = [float(s) for s in scales]
+    groups = pair_frames(len(scales), grid.temporal_patch)
+    pair_scales = reduce_pair_scales(scales, groups, pair_reduction)
+    sizes = [scaled_size(base_hw, s, grid, min_tokens_per_pair, max_tokens_per_pair) for s in pair_scales]
+    return ResizePlan(grid=grid, base_hw=tuple(base_hw), frame_scales=scales, pair_frames=groups, pair_sizes=sizes)
+
+
+def uniform_frame_indices(total_frames: int, max_num_frames: int) -> list[int]:
+    """`min(total, max_num_frames)` uniformly spaced frame indices into a video of `total_frames`."""
+    if total_frames < 1:
+        raise ValueError("the video has no frames")
+    n = min(total_frames, max_num_frames)
+    return np.linspace(0, total_frames - 1, n).round().astype(int).tolist()
+
+
+def retention_of_scale(scale: float, num_frames: int, base_hw: tuple[int, int], grid: TokenGrid, **bounds) -> float:
+    """R of the plan that gives every frame the same scale."""
+    return plan_from_scales([scale] * num_frames, base_hw, grid, **bounds).retention
+
+
+def fixed_scale_for_retention(
+    target: float,
+    num_frames: int,
+    base_hw: tuple[int, int],
+    grid: TokenGrid,
+    s_min: float = 0.0,
+    s_max: float = 1.0,
+    **bounds,
+) -> float:
+    """The largest single scale in [s_min, s_max] whose plan's R does not exceed `target`.
+
+    R(s) is a non-decreasing step function of s (both sides round up with s), so bisection finds
+    the last step at or below the target. Raises when even the smallest plan exceeds it.
+    """
+    if not 0 < target:
+        raise ValueError(f"retention must be positive, got {target}")
+    lo = max(s_min, 1e-6)
+    if retention_of_scale(lo, num_frames, base_hw, grid, **bounds) > target:
+        floor = retention_of_scale(lo, num_frames, base_hw, grid, **bounds)
+        raise ValueError(
+            f"retention {target} is impossible: the smallest plan (scale {lo:g}, "
+            f"{base_hw[0]}x{base_hw[1]} px base, {grid.token_px} px tokens) already keeps R={floor:.4f}"
+        )
+    hi = s_max
+    if retention_of_scale(hi, num_frames, base_hw, grid, **bounds) <= target:
+        return hi
+    for _ in range(60):
+        mid = 0.5 * (lo + hi)
+        if retention_of_scale(mid, num_frames, base_hw, grid, **bounds) <= target:
+            lo = mid
+        else:
+            hi = mid
+        if hi - lo < 1e-9:
+            break
+    return lo
+

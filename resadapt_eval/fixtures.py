@@ -1,0 +1,260 @@
+"""Offline fixtures: tiny random Qwen2.5-VL / Qwen3-VL checkpoints and a smoke video-QA set.
+
+Everything is built in code from a seed (no hub access), saved with `save_pretrained`, and loads
+back through the same `from_pretrained` calls that load a real 7B checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import torch
+
+SPECIAL_TOKENS = [
+    "<|endoftext|>",
+    "<|im_start|>",
+    "<|im_end|>",
+    "<|vision_start|>",
+    "<|vision_end|>",
+    "<|image_pad|>",
+    "<|video_pad|>",
+]
+
+# Qwen's chat layout, reduced to what the fixtures need: text, image and video content parts.
+CHAT_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
+    "{% if message['content'] is string %}{{ message['content'] }}"
+    "{% else %}{% for part in message['content'] %}"
+    "{% if part['type'] == 'image' %}<|vision_start|><|image_pad|><|vision_end|>"
+    "{% elif part['type'] == 'video' %}<|vision_start|><|video_pad|><|vision_end|>"
+    "{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}"
+    "{% endfor %}{% endif %}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+# Same normalisation for images and videos (the real checkpoints differ per family; the
+# fixtures keep one set so image and video paths are comparable).
+IMAGE_MEAN = [0.48145466, 0.4578275, 0.40821073]
+IMAGE_STD = [0.26862954, 0.26130258, 0.27577711]
+
+BACKBONES = ("qwen25vl", "qwen3vl")
+
+
+def build_tokenizer():
+    """Byte-level BPE tokenizer (256 byte symbols, no merges) with Qwen's special tokens."""
+    from transformers import Qwen2Tokenizer
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    vocab = {ch: i for i, ch in enumerate(bytes_to_unicode().values())}
+    for tok in SPECIAL_TOKENS:
+        vocab[tok] = len(vocab)
+    tok = Qwen2Tokenizer(vocab=vocab, merges=[], eos_token="<|im_end|>", pad_token="<|endoftext|>")
+    tok.add_special_tokens({"additional_special_tokens": SPECIAL_TOKENS[1:]})
+    tok.chat_template = CHAT_TEMPLATE
+    return tok
+
+
+def _token_ids(tok) -> dict:
+    ids = tok.convert_tokens_to_ids
+    return dict(
+        vision_start_token_id=ids("<|vision_start|>"),
+        vision_end_token_id=ids("<|vision_end|>"),
+        image_token_id=ids("<|image_pad|>"),
+        video_token_id=ids("<|video_pad|>"),
+    )
+
+
+def build_qwen25vl(tok, seed: int = 0):
+    """Tiny random Qwen2.5-VL (text hidden 64, 2 heads of 32, 2 layers; vision depth 2) and processor."""
+    from transformers import (
+        Qwen2_5_VLConfig,
+        Qwen2_5_VLForConditionalGeneration,
+        Qwen2_5_VLProcessor,
+        Qwen2VLImageProcessor,
+        Qwen2VLVideoProcessor,
+    )
+
+    vocab_size = len(tok)
+    config = Qwen2_5_VLConfig(
+        text_config=dict(
+            vocab_size=vocab_size,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            max_position_embeddings=8192,
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [4, 6, 6]},
+            bos_token_id=None,
+            eos_token_id=tok.eos_token_id,
+            pad_token_id=tok.pad_token_id,
+        ),
+        vision_config=dict(
+            depth=2,
+            hidden_size=32,
+            intermediate_size=64,
+            num_heads=2,
+            patch_size=14,
+            spatial_merge_size=2,
+            temporal_patch_size=2,
+            window_size=56,
+            out_hidden_size=64,
+            fullatt_block_indexes=[1],
+            tokens_per_second=2,
+        ),
+        **_token_ids(tok),
+    )
+    torch.manual_seed(seed)
+    model = Qwen2_5_VLForConditionalGeneration(config).eval()
+    common = dict(patch_size=14, merge_size=2, temporal_patch_size=2, image_mean=IMAGE_MEAN, image_std=IMAGE_STD)
+    processor = Qwen2_5_VLProcessor(
+        image_processor=Qwen2VLImageProcessor(**common),
+        video_processor=Qwen2VLVideoProcessor(**common),
+        tokenizer=tok,
+        chat_template=CHAT_TEMPLATE,
+    )
+    return model, processor
+
+
+def build_qwen3vl(tok, seed: int = 0):
+    """Tiny random Qwen3-VL (text hidden 64, 2 heads of 32, 2 layers; vision depth 2 with deepstack) and processor."""
+    from transformers import (
+        Qwen2VLImageProcessor,
+        Qwen3VLConfig,
+        Qwen3VLForConditionalGeneration,
+        Qwen3VLProcessor,
+        Qwen3VLVideoProcessor,
+    )
+
+    config = Qwen3VLConfig(
+        text_config=dict(
+            vocab_size=len(tok),
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            head_dim=32,
+            max_position_embeddings=8192,
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [6, 5, 5], "mrope_interleaved": True},
+            eos_token_id=tok.eos_token_id,
+            pad_token_id=tok.pad_token_id,
+        ),
+        vision_config=dict(
+            depth=2,
+            hidden_size=32,
+            intermediate_size=64,
+            num_heads=2,
+            patch_size=16,
+            spatial_merge_size=2,
+            temporal_patch_size=2,
+            out_hidden_size=64,
+            num_position_embeddings=256,
+            deepstack_visual_indexes=[0],
+        ),
+        **_token_ids(tok),
+    )
+    torch.manual_seed(seed)
+    model = Qwen3VLForConditionalGeneration(config).eval()
+    common = dict(patch_size=16, merge_size=2, temporal_patch_size=2, image_mean=IMAGE_MEAN, image_std=IMAGE_STD)
+    processor = Qwen3VLProcessor(
+        image_processor=Qwen2VLImageProcessor(**common),
+        video_processor=Qwen3VLVideoProcessor(**common),
+        tokenizer=tok,
+        chat_template=CHAT_TEMPLATE,
+    )
+    return model, processor
+
+
+BUILDERS = {"qwen25vl": build_qwen25vl, "qwen3vl": build_qwen3vl}
+
+
+def write_backbone(name: str, out_dir: Path, seed: int = 0) -> Path:
+    """Build the tiny `name` backbone and save model, tokenizer and processor to `out_dir`."""
+    model, processor = BUILDERS[name](build_tokenizer(), seed=seed)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out_dir)
+    processor.save_pretrained(out_dir)
+    return out_dir
+
+
+# ---------------------------------------------------------------- smoke video-QA dataset
+
+SMOKE_COLOURS = {"red": (220, 40, 40), "green": (40, 200, 60), "blue": (40, 80, 220), "yellow": (230, 210, 40)}
+# (width, height) per video: wide, tall and square frames, so budgets are exercised on each shape.
+SMOKE_SHAPES = [(320, 240), (240, 320), (256, 256), (352, 198)]
+SMOKE_DIR = "smoke_videoqa"
+
+
+def write_video(path: Path, frames: np.ndarray, fps: float) -> None:
+    """Write uint8 frames (T, H, W, 3) as an H.264 mp4 with PyAV."""
+    import av
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with av.open(str(path), mode="w") as container:
+        stream = container.add_stream("libx264", rate=int(round(fps)))
+        stream.width, stream.height = frames.shape[2], frames.shape[1]
+        stream.pix_fmt = "yuv420p"
+        stream.options = {"crf": "18", "g": "8"}
+        for frame in frames:
+            for packet in stream.encode(av.VideoFrame.from_ndarray(frame, format="rgb24")):
+                container.mux(packet)
+        for packet in stream.encode():
+            container.mux(packet)
+
+
+def smoke_frames(rng: np.random.Generator, width: int, height: int, num_frames: int, colour: tuple) -> np.ndarray:
+    """A gradient background with a moving square of `colour` in the middle third of the clip."""
+    yy, xx = np.mgrid[0:height, 0:width]
+    base = np.stack([xx / width * 120 + 40, yy / height * 120 + 40, np.full_like(xx, 90.0)], axis=-1)
+    frames = np.repeat(base[None], num_frames, axis=0)
+    side = max(16, min(width, height) // 5)
+    x0, y0 = rng.integers(0, width - side), rng.integers(0, height - side)
+    for t in range(num_frames // 3, 2 * num_frames // 3):
+        x = (x0 + 4 * t) % (width - side)
+        frames[t, y0 : y0 + side, x : x + side] = colour
+    frames += rng.normal(0, 3, frames.shape)
+    return frames.clip(0, 255).astype(np.uint8)
+
+
+def write_smoke_dataset(out_dir: Path, num_videos: int = 8, num_frames: int = 32, fps: float = 8.0, seed: int = 0) -> Path:
+    """Synthetic multiple-choice video QA in VideoMME's schema; returns the JSONL path.
+
+    Each video shows a square of one colour; the question asks for the colour (A-D). Video paths
+    in the JSONL are absolute.
+    """
+    rng = np.random.default_rng(seed)
+    names = list(SMOKE_COLOURS)
+    records = []
+    for i in range(num_videos):
+        width, height = SMOKE_SHAPES[i % len(SMOKE_SHAPES)]
+        answer = int(rng.integers(0, 4))
+        video_id = f"smoke_{i:03d}"
+        write_video(out_dir / "videos" / f"{video_id}.mp4", smoke_frames(rng, width, height, num_frames, SMOKE_COLOURS[names[answer]]), fps)
+        records.append(
+            dict(
+                question_id=f"{video_id}-1",
+                videoID=video_id,
+                video_path=str((out_dir / "videos" / f"{video_id}.mp4").resolve()),
+                duration="short",
+                domain="Knowledge",
+                sub_category="Humanity & History",
+                task_type="Attribute Perception",
+                question="What colour is the moving square?",
+                options=[f"{letter}. {name}" for letter, name in zip("ABCD", names)],
+                answer="ABCD"[answer],
+            )
+        )
+    path = out_dir / "test.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return path
+
+
+def write_fixtures(out: Path, seed: int = 0) -> dict[str, Path]:
+    """Write both tiny backbones and the smoke dataset under `out`; returns their paths."""
+    out = Path(out)
+    paths = {name: write_backbone(name, out / name, seed=seed) for name in BACKBONES}
+    paths["smoke_videoqa"] = write_smoke_dataset(out / SMOKE_DIR, seed=seed)
+    return paths

@@ -1,0 +1,122 @@
+"""One request end to end: decode once -> policy scales -> resize plan -> backbone -> answer + record.
+
+This is the code path every method and every front end (lmms-eval, benchmarks, demo) shares.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass, field
+
+from .backbones.qwen import QwenVideoAdapter
+from .budget.plan import ResizePlan, base_size, plan_from_scales
+from .budget.policies import POLICIES, BudgetSpec
+from .video import DecodedVideo, decode_video
+
+
+@dataclass
+class SampleRecord:
+    """What one sample spent; one line of the sidecar JSONL.
+
+    scales: per-frame scale s_t; grids: (t, h, w) merged-token grid per pair; visual_tokens: tokens
+    that entered the LLM; reference_tokens: the vanilla plan's tokens for the same frames;
+    achieved_retention = visual_tokens / reference_tokens; *_s: wall-clock seconds.
+    """
+
+    doc_id: int | None
+    task: str | None
+    method: str
+    video: str | None = None
+    num_frames: int = 0
+    frame_indices: list[int] = field(default_factory=list)
+    base_size: list[int] | None = None
+    scales: list[float] = field(default_factory=list)
+    pair_sizes: list[list[int]] = field(default_factory=list)
+    grids: list[list[int]] = field(default_factory=list)
+    visual_tokens: int = 0
+    reference_tokens: int = 0
+    achieved_retention: float | None = None
+    target_retention: float | None = None
+    input_tokens: int = 0
+    output_tokens: int = 0
+    decode_s: float = 0.0
+    preprocess_s: float = 0.0
+    generate_s: float = 0.0
+    error: str | None = None
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass
+class VideoPipelineConfig:
+    """Per-run settings. min_pixels/max_pixels bound one frame's base (vanilla) area in pixels."""
+
+    method: str = "vanilla"
+    max_num_frames: int = 32
+    min_pixels: int | None = None
+    max_pixels: int | None = None
+    budget: BudgetSpec = field(default_factory=BudgetSpec)
+
+    def __post_init__(self):
+        if self.method not in POLICIES:
+            raise ValueError(f"unknown method {self.method!r}; available: {', '.join(sorted(POLICIES))}")
+        if self.max_num_frames < 1:
+            raise ValueError(f"max_num_frames must be at least 1, got {self.max_num_frames}")
+
+
+class VideoPipeline:
+    """Answers (video, prompt) requests with an adapter under one budget method."""
+
+    def __init__(self, adapter: QwenVideoAdapter, config: VideoPipelineConfig):
+        self.adapter = adapter
+        self.config = config
+        self.policy = POLICIES[config.method]
+        px = adapter.grid.token_px
+        # Defaults: 4..768 tokens per frame at the base resolution (768 is qwen-vl-utils' video cap;
+        # its 128-token video floor is not applied, so small videos are not upscaled).
+        self.min_pixels = config.min_pixels if config.min_pixels is not None else 4 * px * px
+        self.max_pixels = config.max_pixels if config.max_pixels is not None else 768 * px * px
+
+    def plan(self, video: DecodedVideo, query: str = "") -> ResizePlan:
+        """The resize plan this pipeline's method gives `video`."""
+        height, width = video.frames.shape[1:3]
+        base_hw = base_size(height, width, self.adapter.grid, self.min_pixels, self.max_pixels)
+        context = {"video": video, "query": query}
+        scales = self.policy(len(video.indices), base_hw, self.adapter.grid, self.config.budget, context)
+        return plan_from_scales(scales, base_hw, self.adapter.grid, **self.config.budget.plan_bounds)
+
+    def run(self, video_path: str, prompt: str, query: str = "", gen_kwargs: dict | None = None, record: SampleRecord | None = None) -> tuple[str, SampleRecord]:
+        """Answer `prompt` (chat text with one video placeholder) about the video at `video_path`.
+
+        Errors propagate; `record` is filled as far as the request got.
+        """
+        record = record or SampleRecord(doc_id=None, task=None, method=self.config.method)
+        record.video = str(video_path)
+        record.target_retention = self.config.budget.retention
+
+        t0 = time.perf_counter()
+        video = decode_video(video_path, self.config.max_num_frames)
+        record.decode_s = time.perf_counter() - t0
+        record.num_frames = len(video.indices)
+        record.frame_indices = video.indices
+
+        t0 = time.perf_counter()
+        plan = self.plan(video, query)
+        record.base_size = list(plan.base_hw)
+        record.scales = [round(s, 6) for s in plan.frame_scales]
+        record.pair_sizes = [list(hw) for hw in plan.pair_sizes]
+        record.grids = [list(g) for g in plan.grids]
+        record.reference_tokens = plan.reference_tokens
+        inputs = self.adapter.build_inputs(prompt, video, plan)
+        record.preprocess_s = time.perf_counter() - t0
+        # Tokens that actually enter the LLM: the video placeholders of the built prompt.
+        record.visual_tokens = int((inputs["input_ids"] == self.adapter.processor.video_token_id).sum())
+        record.achieved_retention = record.visual_tokens / record.reference_tokens
+        record.input_tokens = int(inputs["input_ids"].shape[1])
+
+        t0 = time.perf_counter()
+        text, n_out = self.adapter.generate(inputs, **(gen_kwargs or {}))
+        record.generate_s = time.perf_counter() - t0
+        record.output_tokens = n_out
+        return text, record
