@@ -9,12 +9,12 @@ import sys
 import time
 from pathlib import Path
 
+from .fixtures import ensure_fixtures, write_fixtures
+
 DEMO_METHODS = ("vanilla", "fixed_scale")
 
 
 def cmd_fixtures(args) -> int:
-    from .fixtures import write_fixtures
-
     paths = write_fixtures(Path(args.out), seed=args.seed)
     for name, path in paths.items():
         print(f"{name}: {path}")
@@ -54,11 +54,8 @@ def read_run(output_path: Path, task: str) -> dict:
 
 def cmd_demo(args) -> int:
     root = Path(args.repo).resolve()
-    fixtures = root / "fixtures"
     out = Path(args.out).resolve()
-    if not (fixtures / "qwen25vl" / "config.json").exists() or not (fixtures / "smoke_videoqa" / "test.jsonl").exists():
-        print(f"writing offline fixtures to {fixtures}")
-        cmd_fixtures(argparse.Namespace(out=fixtures, seed=0))
+    fixtures = ensure_fixtures(root / "fixtures")
     rows = []
     for method in DEMO_METHODS:
         model_args = dict(pretrained=fixtures / "qwen25vl", method=method, max_num_frames=args.frames, device="cpu", dtype="float32")

@@ -184,8 +184,9 @@ def write_backbone(name: str, out_dir: Path, seed: int = 0) -> Path:
 
 SMOKE_COLOURS = {"red": (220, 40, 40), "green": (40, 200, 60), "blue": (40, 80, 220), "yellow": (230, 210, 40)}
 # (width, height) per video: wide, tall and square frames, so budgets are exercised on each shape.
-SMOKE_SHAPES = [(320, 240), (240, 320), (256, 256), (352, 198)]
+SMOKE_SHAPES = [(320, 240), (240, 320), (400, 400), (480, 270)]
 SMOKE_DIR = "smoke_videoqa"
+COMPLETE_MARKER = ".complete"  # written last, so a half-written folder is rewritten
 
 
 def write_video(path: Path, frames: np.ndarray, fps: float) -> None:
@@ -257,4 +258,14 @@ def write_fixtures(out: Path, seed: int = 0) -> dict[str, Path]:
     out = Path(out)
     paths = {name: write_backbone(name, out / name, seed=seed) for name in BACKBONES}
     paths["smoke_videoqa"] = write_smoke_dataset(out / SMOKE_DIR, seed=seed)
+    (out / COMPLETE_MARKER).write_text(f"seed={seed}\n")
     return paths
+
+
+def ensure_fixtures(out: Path, seed: int = 0) -> Path:
+    """Write the fixtures under `out` unless a complete set is already there; returns `out`."""
+    out = Path(out)
+    marker = out / COMPLETE_MARKER
+    if not marker.exists() or marker.read_text() != f"seed={seed}\n":
+        write_fixtures(out, seed=seed)
+    return out

@@ -168,30 +168,28 @@ def fixed_scale_for_retention(
     s_max: float = 1.0,
     **bounds,
 ) -> float:
-    """The largest single scale in [s_min, s_max] whose plan's R does not exceed `target`.
+    """The single scale in [s_min, s_max] whose plan has the largest R not above `target`.
 
-    R(s) is a non-decreasing step function of s (both sides round up with s), so bisection finds
-    the last step at or below the target. Raises when even the smallest plan exceeds it.
+    A side of n tokens changes its rounded length only where n*s crosses k + 1/2, and Python's
+    round-half-to-even makes some lengths exist at that exact point alone (9 tokens at s=0.5 give
+    round(4.5)=4 rows, just above give 5, just below 4). So every crossing is tried at, just
+    below and just above it, plus the range ends. Raises when even s_min exceeds the target.
     """
     if not 0 < target:
         raise ValueError(f"retention must be positive, got {target}")
     lo = max(s_min, 1e-6)
-    if retention_of_scale(lo, num_frames, base_hw, grid, **bounds) > target:
+    sides = (base_hw[0] // grid.token_px, base_hw[1] // grid.token_px)
+    crossings = {(k + 0.5) / n for n in sides for k in range(int(s_max * n) + 1)}
+    candidates = {lo, s_max} | {c + d for c in crossings for d in (-1e-9, 0.0, 1e-9)}
+    best_r, best_s = -1.0, None
+    for s in sorted(c for c in candidates if lo <= c <= s_max):
+        r = retention_of_scale(s, num_frames, base_hw, grid, **bounds)
+        if best_r < r <= target:
+            best_r, best_s = r, s
+    if best_s is None:
         floor = retention_of_scale(lo, num_frames, base_hw, grid, **bounds)
         raise ValueError(
             f"retention {target} is impossible: the smallest plan (scale {lo:g}, "
             f"{base_hw[0]}x{base_hw[1]} px base, {grid.token_px} px tokens) already keeps R={floor:.4f}"
         )
-    hi = s_max
-    if retention_of_scale(hi, num_frames, base_hw, grid, **bounds) <= target:
-        return hi
-    for _ in range(60):
-        mid = 0.5 * (lo + hi)
-        if retention_of_scale(mid, num_frames, base_hw, grid, **bounds) <= target:
-            lo = mid
-        else:
-            hi = mid
-        if hi - lo < 1e-9:
-            break
-    return lo
-
+    return best_s

@@ -1,0 +1,122 @@
+"""The real `lmms-eval` CLI with our registered models on the offline smoke task."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from resadapt_eval.cli import lmms_eval_command
+
+from .conftest import REPO
+
+TASK = "resadapt_smoke_videoqa"
+
+
+def run_lmms_eval(model, model_args, out):
+    cmd = lmms_eval_command(model, model_args, TASK, str(REPO / "tasks"), out)
+    return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
+
+
+def sidecar_records(out):
+    paths = sorted(out.rglob("resadapt_samples_*.jsonl"))
+    assert len(paths) == 1, paths
+    return [json.loads(line) for line in paths[0].read_text().splitlines()]
+
+
+def results_json(out):
+    (path,) = sorted(out.rglob("*_results.json"))
+    return json.loads(path.read_text())
+
+
+def test_models_are_registered_through_the_entry_point():
+    from lmms_eval.models import get_model
+
+    from resadapt_eval.lmms.models import ResAdaptQwen3VL, ResAdaptQwen25VL
+
+    assert get_model("resadapt_qwen25vl") is ResAdaptQwen25VL
+    assert get_model("resadapt_qwen3vl") is ResAdaptQwen3VL
+
+
+@pytest.mark.parametrize("backbone", ["qwen25vl", "qwen3vl"])
+def test_fixed_scale_run_exits_0_and_every_record_is_within_budget(fixtures_dir, tmp_path, backbone):
+    model_args = dict(pretrained=fixtures_dir / backbone, method="fixed_scale", retention=0.25, max_num_frames=8, device="cpu", dtype="float32")
+    proc = run_lmms_eval(f"resadapt_{backbone}", model_args, tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+    records = sidecar_records(tmp_path)
+    dataset = (fixtures_dir / "smoke_videoqa" / "test.jsonl").read_text().splitlines()
+    assert len(records) == len(dataset)
+    for r in records:
+        assert r["error"] is None
+        assert r["task"] == TASK and r["method"] == "fixed_scale"
+        assert 0.20 <= r["achieved_retention"] <= 0.25
+        assert r["visual_tokens"] == sum(t * h * w for t, h, w in r["grids"])
+        assert r["achieved_retention"] == pytest.approx(r["visual_tokens"] / r["reference_tokens"])
+        assert len(r["scales"]) == r["num_frames"] == 8 and len(r["grids"]) == 4
+        assert min(r["decode_s"], r["preprocess_s"], r["generate_s"]) > 0
+
+    # Run totals reach lmms-eval's results JSON.
+    results = results_json(tmp_path)
+    throughput = results["throughput"]
+    assert throughput["avg_resadapt_visual_tokens"] == sum(r["visual_tokens"] for r in records)
+    assert throughput["avg_resadapt_mean_retention"] == pytest.approx(sum(r["achieved_retention"] for r in records) / len(records))
+    assert "videomme_perception_score,none" in results["results"][TASK]
+    # Sidecar sits beside lmms-eval's own outputs.
+    assert sorted(tmp_path.rglob("*_results.json"))[0].parent == sorted(tmp_path.rglob("resadapt_samples_*.jsonl"))[0].parent
+
+
+@pytest.fixture
+def one_video_missing(fixtures_dir):
+    video = fixtures_dir / "smoke_videoqa" / "videos" / "smoke_002.mp4"
+    hidden = video.with_suffix(".hidden")
+    video.rename(hidden)
+    try:
+        yield video
+    finally:
+        hidden.rename(video)
+
+
+def test_a_missing_video_is_recorded_and_the_run_goes_on(fixtures_dir, tmp_path, one_video_missing):
+    model_args = dict(pretrained=fixtures_dir / "qwen25vl", method="vanilla", max_num_frames=8, device="cpu")
+    proc = run_lmms_eval("resadapt_qwen25vl", model_args, tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    records = sidecar_records(tmp_path)
+    failed = [r for r in records if r["error"]]
+    assert len(failed) == 1
+    assert str(one_video_missing) in failed[0]["error"]
+    assert failed[0]["visual_tokens"] == 0 and failed[0]["achieved_retention"] is None
+    assert all(r["achieved_retention"] == 1.0 for r in records if not r["error"])
+    assert results_json(tmp_path)["throughput"]["avg_resadapt_failed_samples"] == 1
+
+
+def test_strict_makes_a_missing_video_stop_the_run(fixtures_dir, tmp_path, one_video_missing):
+    model_args = dict(pretrained=fixtures_dir / "qwen25vl", method="vanilla", max_num_frames=8, device="cpu", strict="true")
+    proc = run_lmms_eval("resadapt_qwen25vl", model_args, tmp_path)
+    # lmms-eval's CLI prints the error and exits 0 (it re-raises only with --verbosity DEBUG),
+    # but the evaluation stops: no results are written.
+    assert f"VideoDecodeError: video not found: {one_video_missing}" in proc.stdout + proc.stderr
+    assert not list(tmp_path.rglob("*_results.json"))
+    assert [r["doc_id"] for r in sidecar_records(tmp_path)] == [0, 1]
+
+
+def test_bad_model_args_give_clear_errors(fixtures_dir):
+    from resadapt_eval.lmms.models import ResAdaptQwen25VL
+
+    with pytest.raises(ValueError, match="unknown model_args.*retnetion"):
+        ResAdaptQwen25VL(pretrained=str(fixtures_dir / "qwen25vl"), retnetion=0.25)
+    with pytest.raises(ValueError, match="unknown method 'tome2'"):
+        ResAdaptQwen25VL(pretrained=str(fixtures_dir / "qwen25vl"), method="tome2")
+
+
+def test_demo_prints_the_comparison_table(fixtures_dir, tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "resadapt_eval.cli", "demo", "--out", str(tmp_path)], cwd=REPO, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = proc.stdout.splitlines()
+    header = next(i for i, line in enumerate(lines) if line.startswith("method"))
+    rows = {line.split()[0]: line.split() for line in lines[header + 1 : header + 3]}
+    assert float(rows["vanilla"][1]) == 1.0
+    assert 0.20 <= float(rows["fixed_scale"][1]) <= 0.25
+    assert int(rows["fixed_scale"][2]) < int(rows["vanilla"][2])
+    assert "noise" in proc.stdout
+    assert (tmp_path / "fixed_scale").is_dir()
