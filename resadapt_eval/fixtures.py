@@ -168,15 +168,42 @@ def build_qwen3vl(tok, seed: int = 0):
     return model, processor
 
 
-BUILDERS = {"qwen25vl": build_qwen25vl, "qwen3vl": build_qwen3vl}
+def build_smolvlm(tok, seed: int = 0):
+    """Tiny random SmolVLM (SigLIP vision on 64x64 images, 16 px patches; Llama text hidden 48)
+    and its image processor: the architecture of the paper's Allocator encoders."""
+    from transformers import SmolVLMConfig, SmolVLMForConditionalGeneration, SmolVLMImageProcessor
+
+    config = SmolVLMConfig(
+        vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, image_size=64, patch_size=16),
+        text_config=dict(
+            model_type="llama",
+            vocab_size=len(tok),
+            hidden_size=48,
+            intermediate_size=96,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            max_position_embeddings=512,
+        ),
+        scale_factor=2,
+        image_token_id=tok.convert_tokens_to_ids("<|image_pad|>"),
+    )
+    torch.manual_seed(seed)
+    model = SmolVLMForConditionalGeneration(config).eval()
+    return model, SmolVLMImageProcessor(image_mean=[0.5] * 3, image_std=[0.5] * 3)
+
+
+BUILDERS = {"qwen25vl": build_qwen25vl, "qwen3vl": build_qwen3vl, "smolvlm": build_smolvlm}
 
 
 def write_backbone(name: str, out_dir: Path, seed: int = 0) -> Path:
-    """Build the tiny `name` backbone and save model, tokenizer and processor to `out_dir`."""
-    model, processor = BUILDERS[name](build_tokenizer(), seed=seed)
+    """Build the tiny `name` model and save model, tokenizer and processor to `out_dir`."""
+    tok = build_tokenizer()
+    model, processor = BUILDERS[name](tok, seed=seed)
     out_dir.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out_dir)
     processor.save_pretrained(out_dir)
+    tok.save_pretrained(out_dir)
     return out_dir
 
 
@@ -187,6 +214,7 @@ SMOKE_COLOURS = {"red": (220, 40, 40), "green": (40, 200, 60), "blue": (40, 80, 
 SMOKE_SHAPES = [(320, 240), (240, 320), (400, 400), (480, 270)]
 SMOKE_DIR = "smoke_videoqa"
 COMPLETE_MARKER = ".complete"  # written last, so a half-written folder is rewritten
+FIXTURES_VERSION = 2  # bump when the fixtures change, so old folders are rewritten
 
 
 def write_video(path: Path, frames: np.ndarray, fps: float) -> None:
@@ -254,18 +282,23 @@ def write_smoke_dataset(out_dir: Path, num_videos: int = 8, num_frames: int = 32
 
 
 def write_fixtures(out: Path, seed: int = 0) -> dict[str, Path]:
-    """Write both tiny backbones and the smoke dataset under `out`; returns their paths."""
+    """Write both tiny backbones, the tiny SmolVLM (Allocator encoders) and the smoke dataset
+    under `out`; returns their paths."""
     out = Path(out)
-    paths = {name: write_backbone(name, out / name, seed=seed) for name in BACKBONES}
+    paths = {name: write_backbone(name, out / name, seed=seed) for name in BUILDERS}
     paths["smoke_videoqa"] = write_smoke_dataset(out / SMOKE_DIR, seed=seed)
-    (out / COMPLETE_MARKER).write_text(f"seed={seed}\n")
+    (out / COMPLETE_MARKER).write_text(_marker(seed))
     return paths
+
+
+def _marker(seed: int) -> str:
+    return f"version={FIXTURES_VERSION} seed={seed}\n"
 
 
 def ensure_fixtures(out: Path, seed: int = 0) -> Path:
     """Write the fixtures under `out` unless a complete set is already there; returns `out`."""
     out = Path(out)
     marker = out / COMPLETE_MARKER
-    if not marker.exists() or marker.read_text() != f"seed={seed}\n":
+    if not marker.exists() or marker.read_text() != _marker(seed):
         write_fixtures(out, seed=seed)
     return out

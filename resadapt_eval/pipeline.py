@@ -13,6 +13,8 @@ from .budget.plan import ResizePlan, base_size, plan_from_scales
 from .budget.policies import POLICIES, BudgetSpec
 from .video import DecodedVideo, decode_video
 
+METHODS = (*POLICIES, "resadapt")
+
 
 @dataclass
 class SampleRecord:
@@ -20,7 +22,10 @@ class SampleRecord:
 
     scales: per-frame scale s_t; grids: (t, h, w) merged-token grid per pair; visual_tokens: tokens
     that entered the LLM; reference_tokens: the vanilla plan's tokens for the same frames;
-    achieved_retention = visual_tokens / reference_tokens; *_s: wall-clock seconds.
+    achieved_retention = visual_tokens / reference_tokens; raw_scales: an Allocator's scales before
+    projection to the target R. Seconds: decode_s (video decode), allocator_{text,visual,predict}_s
+    (Allocator stages; predict includes the projection), scale_apply_s (resizing frames to the plan),
+    preprocess_s (planning and building the model inputs, resize included), generate_s.
     """
 
     doc_id: int | None
@@ -37,9 +42,14 @@ class SampleRecord:
     reference_tokens: int = 0
     achieved_retention: float | None = None
     target_retention: float | None = None
+    raw_scales: list[float] | None = None
     input_tokens: int = 0
     output_tokens: int = 0
     decode_s: float = 0.0
+    allocator_text_s: float = 0.0
+    allocator_visual_s: float = 0.0
+    allocator_predict_s: float = 0.0
+    scale_apply_s: float = 0.0
     preprocess_s: float = 0.0
     generate_s: float = 0.0
     error: str | None = None
@@ -57,10 +67,16 @@ class VideoPipelineConfig:
     min_pixels: int | None = None
     max_pixels: int | None = None
     budget: BudgetSpec = field(default_factory=BudgetSpec)
+    allocator: str | None = None
+    allocator_inference: str = "mean"
+    allocator_quantile: float = 0.5
+    allocator_seed: int = 0
 
     def __post_init__(self):
-        if self.method not in POLICIES:
-            raise ValueError(f"unknown method {self.method!r}; available: {', '.join(sorted(POLICIES))}")
+        if self.method not in METHODS:
+            raise ValueError(f"unknown method {self.method!r}; available: {', '.join(METHODS)}")
+        if self.allocator is not None and self.method != "resadapt":
+            raise ValueError(f"allocator= is only used by method=resadapt, not {self.method!r}")
         if self.max_num_frames < 1:
             raise ValueError(f"max_num_frames must be at least 1, got {self.max_num_frames}")
 
@@ -71,18 +87,26 @@ class VideoPipeline:
     def __init__(self, adapter: QwenVideoAdapter, config: VideoPipelineConfig):
         self.adapter = adapter
         self.config = config
-        self.policy = POLICIES[config.method]
+        if config.method == "resadapt":
+            from .allocator import AllocatorPolicy, load_allocator
+
+            allocator = load_allocator(config.allocator, device=adapter.device)
+            self.policy = AllocatorPolicy(allocator, config.allocator_inference, config.allocator_quantile, config.allocator_seed)
+        else:
+            self.policy = POLICIES[config.method]
         px = adapter.grid.token_px
         # Defaults: 4..768 tokens per frame at the base resolution (768 is qwen-vl-utils' video cap;
         # its 128-token video floor is not applied, so small videos are not upscaled).
         self.min_pixels = config.min_pixels if config.min_pixels is not None else 4 * px * px
         self.max_pixels = config.max_pixels if config.max_pixels is not None else 768 * px * px
 
-    def plan(self, video: DecodedVideo, query: str = "") -> ResizePlan:
-        """The resize plan this pipeline's method gives `video`."""
+    def plan(self, video: DecodedVideo, query: str = "", context: dict | None = None) -> ResizePlan:
+        """The resize plan this pipeline's method gives `video`. Policies may leave timings and
+        raw scales in `context`."""
         height, width = video.frames.shape[1:3]
         base_hw = base_size(height, width, self.adapter.grid, self.min_pixels, self.max_pixels)
-        context = {"video": video, "query": query}
+        context = context if context is not None else {}
+        context.update(video=video, query=query)
         scales = self.policy(len(video.indices), base_hw, self.adapter.grid, self.config.budget, context)
         return plan_from_scales(scales, base_hw, self.adapter.grid, **self.config.budget.plan_bounds)
 
@@ -102,14 +126,20 @@ class VideoPipeline:
         record.frame_indices = video.indices
 
         t0 = time.perf_counter()
-        plan = self.plan(video, query)
+        context = {"timings": {}}
+        plan = self.plan(video, query, context)
+        if "raw_scales" in context:
+            record.raw_scales = [round(float(s), 6) for s in context["raw_scales"]]
         record.base_size = list(plan.base_hw)
         record.scales = [round(s, 6) for s in plan.frame_scales]
         record.pair_sizes = [list(hw) for hw in plan.pair_sizes]
         record.grids = [list(g) for g in plan.grids]
         record.reference_tokens = plan.reference_tokens
-        inputs = self.adapter.build_inputs(prompt, video, plan)
-        record.preprocess_s = time.perf_counter() - t0
+        inputs = self.adapter.build_inputs(prompt, video, plan, timings=context["timings"])
+        for name, seconds in context["timings"].items():
+            setattr(record, name, seconds)
+        allocator_s = record.allocator_text_s + record.allocator_visual_s + record.allocator_predict_s
+        record.preprocess_s = time.perf_counter() - t0 - allocator_s
         # Tokens that actually enter the LLM: the video placeholders of the built prompt.
         record.visual_tokens = int((inputs["input_ids"] == self.adapter.processor.video_token_id).sum())
         record.achieved_retention = record.visual_tokens / record.reference_tokens

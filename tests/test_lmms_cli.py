@@ -120,3 +120,18 @@ def test_demo_prints_the_comparison_table(fixtures_dir, tmp_path):
     assert int(rows["fixed_scale"][2]) < int(rows["vanilla"][2])
     assert "noise" in proc.stdout
     assert (tmp_path / "fixed_scale").is_dir()
+
+
+@pytest.mark.parametrize("backbone", ["qwen25vl", "qwen3vl"])
+def test_resadapt_with_the_builtin_allocator_runs_within_budget(fixtures_dir, tmp_path, backbone):
+    model_args = dict(pretrained=fixtures_dir / backbone, method="resadapt", allocator="builtin", retention=0.25, max_num_frames=8, device="cpu")
+    proc = run_lmms_eval(f"resadapt_{backbone}", model_args, tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    records = sidecar_records(tmp_path)
+    assert len(records) == 8
+    for r in records:
+        assert r["error"] is None and r["method"] == "resadapt"
+        assert len(r["scales"]) == 8 and len(set(r["scales"])) > 1
+        assert len(r["raw_scales"]) == 8
+        assert 0.20 <= r["achieved_retention"] <= 0.25
+        assert min(r["allocator_text_s"], r["allocator_visual_s"], r["allocator_predict_s"], r["scale_apply_s"]) > 0

@@ -14,6 +14,8 @@ temporal index of pair k, and its h/w indices span its own merged grid.
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import torch
 from torchvision.transforms import InterpolationMode
@@ -64,15 +66,19 @@ class QwenVideoAdapter:
     def pair_metadata(self, video: DecodedVideo, plan: ResizePlan) -> list[VideoMetadata]:
         raise NotImplementedError
 
-    def build_inputs(self, prompt: str, video: DecodedVideo, plan: ResizePlan) -> dict:
+    def build_inputs(self, prompt: str, video: DecodedVideo, plan: ResizePlan, timings: dict | None = None) -> dict:
         """Tokenised prompt with the video realised at the plan's per-pair sizes.
 
         `prompt` is chat-formatted text holding one `<|video_pad|>` where the video goes.
-        Returns tensors for `model.generate` (batch of one).
+        Returns tensors for `model.generate` (batch of one); `timings["scale_apply_s"]` gets the
+        seconds spent resizing frames.
         """
         if prompt.count(VIDEO_PAD) != 1:
             raise ValueError(f"the prompt must hold exactly one {VIDEO_PAD}, found {prompt.count(VIDEO_PAD)}")
+        t0 = time.perf_counter()
         pairs = [resize_frames(video.frames[list(group)], h, w) for group, (h, w) in zip(plan.pair_frames, plan.pair_sizes)]
+        if timings is not None:
+            timings["scale_apply_s"] = time.perf_counter() - t0
         text = prompt.replace(VIDEO_PAD, VIDEO_PAD * len(pairs))
         inputs = self.processor(
             text=[text],

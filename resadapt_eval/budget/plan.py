@@ -193,3 +193,44 @@ def fixed_scale_for_retention(
             f"{base_hw[0]}x{base_hw[1]} px base, {grid.token_px} px tokens) already keeps R={floor:.4f}"
         )
     return best_s
+
+
+def project_to_retention(
+    scales: Sequence[float],
+    target: float,
+    base_hw: tuple[int, int],
+    grid: TokenGrid,
+    s_min: float,
+    s_max: float,
+    **bounds,
+) -> np.ndarray:
+    """Rescale per-frame `scales` by one global factor g, clipped to [s_min, s_max], so that the
+    exact plan has the largest R not above `target`; the relative allocation is kept.
+
+    R(g) is non-decreasing in g, from the all-s_min plan to the all-s_max plan; bisection on g
+    finds the last step at or below the target. A target outside that range is an error.
+    """
+    s = np.asarray(scales, dtype=np.float64)
+    if s.ndim != 1 or not len(s) or not (s > 0).all():
+        raise ValueError("scales must be a non-empty 1-D array of positive numbers")
+
+    def plan_at(g: float) -> ResizePlan:
+        return plan_from_scales(np.clip(g * s, s_min, s_max), base_hw, grid, **bounds)
+
+    g_lo, g_hi = s_min / s.max(), s_max / s.min()  # every frame at s_min / at s_max
+    r_lo, r_hi = plan_at(g_lo).retention, plan_at(g_hi).retention
+    if not r_lo <= target:
+        raise ValueError(f"retention {target} is below the smallest plan (every frame at s_min={s_min}: R={r_lo:.4f})")
+    if target > r_hi:
+        raise ValueError(f"retention {target} is above the largest plan (every frame at s_max={s_max}: R={r_hi:.4f})")
+    if target == r_hi:
+        return np.clip(g_hi * s, s_min, s_max)
+    for _ in range(60):
+        mid = 0.5 * (g_lo + g_hi)
+        if plan_at(mid).retention <= target:
+            g_lo = mid
+        else:
+            g_hi = mid
+        if g_hi - g_lo <= 1e-12 * g_hi:
+            break
+    return np.clip(g_lo * s, s_min, s_max)

@@ -41,7 +41,10 @@ def lmms_eval_output_path() -> str | None:
 class ResAdaptQwen(lmms):
     """Qwen video model whose visual budget is set per frame pair by `method`.
 
-    model_args: pretrained (path or hub id), method (vanilla | fixed_scale), retention (target R),
+    model_args: pretrained (path or hub id), method (vanilla | fixed_scale | resadapt), retention
+    (target R; for resadapt the Allocator's scales are projected onto it), allocator (checkpoint
+    folder or `builtin`), allocator_inference (mean | quantile | sample), allocator_quantile,
+    allocator_seed,
     max_num_frames, min_pixels / max_pixels (one frame's base area in pixels), s_min / s_max
     (scale range), min_tokens_per_pair / max_tokens_per_pair, pair_reduction (mean | max | min),
     device, dtype, attn_implementation, strict (raise on a bad sample instead of recording it),
@@ -70,6 +73,10 @@ class ResAdaptQwen(lmms):
         attn_implementation: str | None = None,
         strict: bool = False,
         sidecar_dir: str | None = None,
+        allocator: str | None = None,
+        allocator_inference: str = "mean",
+        allocator_quantile: float = 0.5,
+        allocator_seed: int = 0,
         batch_size: int | str = 1,
         max_batch_size: int | None = None,
         **unknown,
@@ -102,6 +109,10 @@ class ResAdaptQwen(lmms):
                 max_tokens_per_pair=_none_or(max_tokens_per_pair, int),
                 pair_reduction=pair_reduction,
             ),
+            allocator=_none_or(allocator, str),
+            allocator_inference=allocator_inference,
+            allocator_quantile=float(allocator_quantile),
+            allocator_seed=int(allocator_seed),
         )
         adapter = self.adapter_cls.from_pretrained(str(pretrained), device=device, dtype=dtype, attn_implementation=_none_or(attn_implementation, str))
         self.pipeline = VideoPipeline(adapter, config)

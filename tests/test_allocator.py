@@ -1,0 +1,229 @@
+import json
+import math
+
+import numpy as np
+import pytest
+import torch
+from torch.distributions import Beta
+
+from resadapt_eval.allocator import Allocator, AllocatorConfig, AllocatorPolicy, CheckpointError, latent_actions
+from resadapt_eval.allocator.model import FORMAT_VERSION
+from resadapt_eval.budget.plan import QWEN3VL_GRID, QWEN25VL_GRID, base_size, plan_from_scales, project_to_retention
+from resadapt_eval.budget.policies import BudgetSpec
+from resadapt_eval.video import DecodedVideo
+
+
+def tiny_config(**overrides):
+    return AllocatorConfig(**{**dict(encoder="tiny", width=32, num_heads=4, num_layers=2, head_init_std=0.5), **overrides})
+
+
+def frames(num_frames=8, seed=0, height=48, width=64):
+    rng = np.random.default_rng(seed)
+    return torch.from_numpy(rng.integers(0, 256, (num_frames, height, width, 3), dtype=np.uint8))
+
+
+def scales_of(allocator, video_frames, query, mode="mean"):
+    feats = allocator.encode([video_frames], [query])
+    alpha, beta = allocator(**feats)
+    return allocator.to_scale(latent_actions(alpha[0], beta[0], mode)).detach()
+
+
+def test_log_density_is_the_sum_of_per_frame_beta_log_densities_by_hand():
+    alpha = torch.tensor([[2.0, 3.0, 1.5]])
+    beta = torch.tensor([[3.0, 2.0, 4.0]])
+    a = torch.tensor([[0.25, 0.5, 0.9]])
+
+    def log_beta_pdf(x, p, q):  # (p-1) log x + (q-1) log(1-x) - log B(p, q)
+        return (p - 1) * math.log(x) + (q - 1) * math.log(1 - x) - (math.lgamma(p) + math.lgamma(q) - math.lgamma(p + q))
+
+    # Beta(2, 3) at 0.25: 0.25 * 0.75^2 * 12 = 1.6875
+    assert log_beta_pdf(0.25, 2.0, 3.0) == pytest.approx(math.log(1.6875))
+    by_hand = [log_beta_pdf(0.25, 2, 3), log_beta_pdf(0.5, 3, 2), log_beta_pdf(0.9, 1.5, 4)]
+    all_frames = Allocator.log_prob(Beta(alpha, beta), a, torch.ones(1, 3, dtype=torch.bool))
+    assert all_frames.item() == pytest.approx(sum(by_hand), rel=1e-6)
+    # A padded frame does not count.
+    two_frames = Allocator.log_prob(Beta(alpha, beta), a, torch.tensor([[True, True, False]]))
+    assert two_frames.item() == pytest.approx(sum(by_hand[:2]), rel=1e-6)
+
+
+def test_beta_head_keeps_alpha_beta_above_one_and_clamped():
+    allocator = Allocator(tiny_config(head_init_std=50.0, max_concentration=30.0))
+    alpha, beta = allocator(**allocator.encode([frames()], ["what happens?"]))
+    assert (alpha > 1).all() and (beta > 1).all()
+    assert alpha.max() <= 30.0 and beta.max() <= 30.0
+
+
+def test_initial_mean_scale_is_one():
+    allocator = Allocator(tiny_config(head_init_std=0.0))
+    s = scales_of(allocator, frames(), "what happens?")
+    assert torch.allclose(s, torch.ones_like(s), atol=1e-6)
+    # With random head weights the average stays near 1.0 over many inputs.
+    allocator = Allocator(tiny_config(head_init_std=0.02))
+    mean = torch.cat([scales_of(allocator, frames(seed=i), f"question {i}") for i in range(8)]).mean()
+    assert mean.item() == pytest.approx(1.0, abs=0.05)
+    # Other scale ranges map the initial mean to 1.0 too.
+    cfg = tiny_config(head_init_std=0.0, s_min=0.5, s_max=3.0)
+    assert scales_of(Allocator(cfg), frames(), "q").mean().item() == pytest.approx(1.0, abs=1e-6)
+
+
+def test_gradients_reach_only_trainable_parameters():
+    allocator = Allocator(tiny_config())
+    feats = allocator.encode([frames()], ["which colour?"])
+    dist = allocator.distribution(**feats)
+    a = dist.sample()
+    loss = -Allocator.log_prob(dist, a, feats["frame_mask"]).sum()
+    loss.backward()
+    for name, p in allocator.named_parameters():
+        if name.startswith("encoders."):
+            assert not p.requires_grad and p.grad is None, name
+        else:
+            assert p.grad is not None and p.grad.abs().sum() > 0, name
+
+
+def test_changing_only_the_query_changes_the_scales():
+    allocator = Allocator(tiny_config())
+    video = frames()
+    s1 = scales_of(allocator, video, "Which colour is the square?")
+    s2 = scales_of(allocator, video, "How many people are dancing at the end?")
+    assert (s1 - s2).abs().max() > 1e-4
+    assert torch.equal(s1, scales_of(allocator, video, "Which colour is the square?"))
+
+
+def test_save_load_gives_identical_scales(tmp_path):
+    allocator = Allocator(tiny_config(seed=3))
+    allocator.save_pretrained(tmp_path / "ckpt")
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["config.json", "model.safetensors"]
+    loaded = Allocator.from_pretrained(tmp_path / "ckpt")
+    video = frames()
+    assert torch.equal(scales_of(allocator, video, "q"), scales_of(loaded, video, "q"))
+    from safetensors.torch import load_file
+
+    assert not any(k.startswith("encoders.") for k in load_file(str(tmp_path / "ckpt" / "model.safetensors")))
+
+
+def test_bad_checkpoints_give_clear_errors_naming_the_file(tmp_path):
+    good = Allocator(tiny_config()).save_pretrained(tmp_path / "good")
+    weights, config = good / "model.safetensors", good / "config.json"
+
+    corrupt = tmp_path / "corrupt"
+    corrupt.mkdir()
+    (corrupt / "config.json").write_text(config.read_text())
+    (corrupt / "model.safetensors").write_bytes(b"\x00\x01 definitely not safetensors")
+    with pytest.raises(CheckpointError, match=f"{corrupt / 'model.safetensors'}: not a readable safetensors file"):
+        Allocator.from_pretrained(corrupt)
+
+    wider = tmp_path / "wider"
+    Allocator(tiny_config(width=64)).save_pretrained(wider)
+    (wider / "config.json").write_text(config.read_text())  # weights for width 64, config says 32
+    with pytest.raises(CheckpointError, match="model.safetensors: .*shape"):
+        Allocator.from_pretrained(wider)
+
+    missing_key = tmp_path / "missing"
+    Allocator(tiny_config(num_layers=1)).save_pretrained(missing_key)
+    (missing_key / "config.json").write_text(config.read_text())
+    with pytest.raises(CheckpointError, match="missing keys .*layers.1"):
+        Allocator.from_pretrained(missing_key)
+
+    raw = json.loads(config.read_text())
+    for field, value, message in [
+        ("format_version", FORMAT_VERSION + 1, "newer than this resadapt-eval reads"),
+        ("encoder", "clip-giant", "unknown encoder 'clip-giant'"),
+        ("colour", "blue", "unknown config keys"),
+    ]:
+        bad = tmp_path / f"bad_{field}"
+        bad.mkdir()
+        (bad / "model.safetensors").write_bytes(weights.read_bytes())
+        (bad / "config.json").write_text(json.dumps({**raw, field: value}))
+        with pytest.raises(CheckpointError, match=f"{bad / 'config.json'}: .*{message}"):
+            Allocator.from_pretrained(bad)
+    with pytest.raises(CheckpointError, match="missing Allocator config"):
+        Allocator.from_pretrained(tmp_path / "nowhere")
+
+
+def test_inference_modes():
+    alpha, beta = torch.tensor([2.0, 5.0]), torch.tensor([2.0, 1.5])
+    assert torch.allclose(latent_actions(alpha, beta, "mean"), torch.tensor([0.5, 5 / 6.5]))
+    # The median of a symmetric Beta is 0.5; the 0.25 quantile of Beta(2, 2) solves 3x^2 - 2x^3 = 0.25.
+    q = latent_actions(torch.tensor([2.0]), torch.tensor([2.0]), "quantile", quantile=0.25).item()
+    assert 3 * q**2 - 2 * q**3 == pytest.approx(0.25, abs=1e-6)
+    assert latent_actions(torch.tensor([3.0]), torch.tensor([3.0]), "quantile", 0.5).item() == pytest.approx(0.5)
+    s1 = latent_actions(alpha, beta, "sample", seed=7)
+    assert torch.equal(s1, latent_actions(alpha, beta, "sample", seed=7))
+    assert not torch.equal(s1, latent_actions(alpha, beta, "sample", seed=8))
+    with pytest.raises(ValueError, match="inference must be one of"):
+        latent_actions(alpha, beta, "mode")
+
+
+@pytest.mark.parametrize("num_frames", [8, 32, 33])
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("target", [0.25, 0.10, 0.5])
+def test_projection_lands_within_one_pair_grid_step_below_target(num_frames, seed, target):
+    rng = np.random.default_rng(seed)
+    grid = [QWEN25VL_GRID, QWEN3VL_GRID][seed % 2]
+    px = grid.token_px
+    aspect = rng.uniform(0.4, 2.5)
+    base = base_size(int(600 * aspect), 600, grid, 4 * px * px, 768 * px * px)
+    raw = rng.uniform(0.3, 1.7, num_frames)
+    projected = project_to_retention(raw, target, base, grid, s_min=0.2, s_max=1.8)
+    plan = plan_from_scales(projected, base, grid)
+    assert plan.retention <= target
+    # One pair-grid step: growing any one pair by a token row and column.
+    step = max((h + 1) * (w + 1) - h * w for _, h, w in plan.grids) / plan.reference_tokens
+    assert target - plan.retention < step
+    # Relative allocation kept: one global factor on unclipped frames.
+    free = (projected > 0.2 + 1e-9) & (projected < 1.8 - 1e-9)
+    ratios = projected[free] / raw[free]
+    assert np.allclose(ratios, ratios[0])
+
+
+def test_projection_rejects_infeasible_targets():
+    base = (252, 308)
+    with pytest.raises(ValueError, match="below the smallest plan"):
+        project_to_retention([1.0] * 8, 0.001, base, QWEN25VL_GRID, 0.2, 1.8)
+    with pytest.raises(ValueError, match="above the largest plan"):
+        project_to_retention([1.0] * 8, 5.0, base, QWEN25VL_GRID, 0.2, 1.8)
+
+
+def test_policy_projects_to_the_target_and_records_stage_times():
+    allocator = Allocator(tiny_config())
+    policy = AllocatorPolicy(allocator)
+    video_frames = frames(9, height=240, width=320).numpy()
+    video = DecodedVideo(frames=video_frames, indices=list(range(9)), total_frames=9, fps=3.0)
+    base = base_size(240, 320, QWEN25VL_GRID, 4 * 784, 768 * 784)
+    context = {"video": video, "query": "what colour?"}
+    scales = policy(9, base, QWEN25VL_GRID, BudgetSpec(retention=0.25), context)
+    plan = plan_from_scales(scales, base, QWEN25VL_GRID)
+    assert plan.retention <= 0.25
+    assert len(set(np.round(scales, 6))) > 1
+    assert set(context["timings"]) == {"allocator_text_s", "allocator_visual_s", "allocator_predict_s"}
+    assert all(v > 0 for v in context["timings"].values())
+    assert len(context["raw_scales"]) == 9
+    # Without a target the raw scales are used (clipped to the range).
+    free = policy(9, base, QWEN25VL_GRID, BudgetSpec(), {"video": video, "query": "what colour?"})
+    assert np.allclose(free, np.clip(context["raw_scales"], 0.2, 1.8))
+
+
+def test_smolvlm_encoders_on_a_tiny_offline_smolvlm(fixtures_dir, tmp_path):
+    config = tiny_config(encoder="smolvlm", encoder_path=str(fixtures_dir / "smolvlm"))
+    allocator = Allocator(config)
+    assert allocator.encoders.frame_size == 64 and allocator.encoders.frame_dim == 48
+    s1 = scales_of(allocator, frames(), "Which colour is the square?")
+    s2 = scales_of(allocator, frames(), "How many dancers?")
+    assert s1.shape == (8,) and (s1 - s2).abs().max() > 1e-5
+    allocator.save_pretrained(tmp_path / "smol")
+    assert json.loads((tmp_path / "smol" / "config.json").read_text())["encoder_path"] == str(fixtures_dir / "smolvlm")
+    assert torch.equal(scales_of(Allocator.from_pretrained(tmp_path / "smol"), frames(), "How many dancers?"), s2)
+
+
+def test_minilm_effnet_encoders_load_offline_and_embed():
+    from resadapt_eval.allocator import build_encoders
+
+    enc = build_encoders("minilm-effnet")
+    f = enc.encode_frames(frames(4, height=120, width=160))
+    assert f.shape == (4, 1280) and torch.isfinite(f).all()
+    t, mask = enc.encode_text(["a red square", "how many people dance in the last scene?"])
+    assert t.shape[0] == 2 and t.shape[2] == 384 and mask.sum(1).tolist()[0] < mask.sum(1).tolist()[1]
+    # Pretrained, not random: related sentences are closer than unrelated ones (mean-pooled MiniLM).
+    emb, m = enc.encode_text(["a red square moves", "a crimson box is moving", "stock prices fell sharply"])
+    pooled = torch.nn.functional.normalize((emb * m[..., None]).sum(1) / m.sum(1, keepdim=True), dim=-1)
+    assert pooled[0] @ pooled[1] > pooled[0] @ pooled[2] + 0.2
