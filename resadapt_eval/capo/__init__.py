@@ -1,0 +1,1 @@
+"""CAPO: advantages, regularisers and PPO surrogates (losses), and task rewards (rewards)."""
