@@ -1,4 +1,4 @@
-"""`resadapt-eval` command line: fixtures | demo."""
+"""`resadapt-eval` command line: fixtures | demo | train."""
 
 from __future__ import annotations
 
@@ -81,6 +81,20 @@ def cmd_demo(args) -> int:
     return 0
 
 
+def cmd_train(args) -> int:
+    from .train.config import build_trainer
+
+    trainer = build_trainer(args.config, steps=args.steps)
+    history = trainer.train(resume=args.resume)
+    checkpoint = trainer.output_dir / "checkpoints" / f"step-{trainer.step:06d}" / "allocator"
+    if history:
+        last = history[-1]
+        print(f"step {last['step']}: mean scale {last['mean_scale']:.3f}, R {last['achieved_retention']:.3f}, reward {last['reward']:.3f}, accuracy {last['accuracy']:.3f}")
+    print(f"checkpoint: {checkpoint}  (use: method=resadapt,allocator={checkpoint})")
+    print(f"metrics: {trainer.output_dir / 'metrics.jsonl'}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="resadapt-eval", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -97,6 +111,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--frames", type=int, default=8, help="max_num_frames")
     p.add_argument("--verbose", action="store_true", help="show lmms-eval's output")
     p.set_defaults(func=cmd_demo)
+
+    p = sub.add_parser("train", help="train the Allocator with CAPO (see resadapt_eval/train/config.py for the YAML)")
+    p.add_argument("--config", required=True, help="training YAML")
+    p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in output_dir")
+    p.add_argument("--steps", type=int, default=None, help="override train.steps (total steps, counting resumed ones)")
+    p.set_defaults(func=cmd_train)
 
     args = parser.parse_args(argv)
     return args.func(args)

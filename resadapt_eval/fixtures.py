@@ -214,7 +214,7 @@ SMOKE_COLOURS = {"red": (220, 40, 40), "green": (40, 200, 60), "blue": (40, 80, 
 SMOKE_SHAPES = [(320, 240), (240, 320), (400, 400), (480, 270)]
 SMOKE_DIR = "smoke_videoqa"
 COMPLETE_MARKER = ".complete"  # written last, so a half-written folder is rewritten
-FIXTURES_VERSION = 2  # bump when the fixtures change, so old folders are rewritten
+FIXTURES_VERSION = 3  # bump when the fixtures change, so old folders are rewritten
 
 
 def write_video(path: Path, frames: np.ndarray, fps: float) -> None:
@@ -278,6 +278,17 @@ def write_smoke_dataset(out_dir: Path, num_videos: int = 8, num_frames: int = 32
         )
     path = out_dir / "test.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    # The same clips in the trainer's format (train/data.py), for `resadapt-eval train`.
+    train = [
+        dict(
+            video=r["video_path"],
+            question=r["question"] + "\n" + "\n".join(r["options"]) + "\nAnswer with the option's letter from the given choices directly.",
+            answer=r["answer"],
+            task_type="multiple_choice",
+        )
+        for r in records
+    ]
+    (out_dir / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in train))
     return path
 
 

@@ -107,6 +107,12 @@ class QwenVideoAdapter:
     @torch.inference_mode()
     def generate(self, inputs: dict, max_new_tokens: int = 128, temperature: float = 0.0, top_p: float | None = None, num_beams: int = 1) -> tuple[str, int]:
         """Generate from `build_inputs` output; returns (text, number of generated tokens)."""
+        text, tokens = self.generate_ids(inputs, max_new_tokens, temperature, top_p, num_beams)
+        return text, int(tokens.numel())
+
+    @torch.inference_mode()
+    def generate_ids(self, inputs: dict, max_new_tokens: int = 128, temperature: float = 0.0, top_p: float | None = None, num_beams: int = 1) -> tuple[str, torch.Tensor]:
+        """Generate from `build_inputs` output; returns (text, generated token ids (L,))."""
         self.model.model.rope_deltas = None  # never reuse positions cached by an earlier call
         sampling = dict(do_sample=True, temperature=temperature, top_p=top_p) if temperature and temperature > 0 else dict(do_sample=False)
         out = self.model.generate(
@@ -118,7 +124,25 @@ class QwenVideoAdapter:
             **sampling,
         )
         new_tokens = out[0, inputs["input_ids"].shape[1] :]
-        return self.tokenizer.decode(new_tokens, skip_special_tokens=True), int(new_tokens.numel())
+        return self.tokenizer.decode(new_tokens, skip_special_tokens=True), new_tokens
+
+
+    def sequence_logprobs(self, inputs: dict, response_ids: torch.Tensor) -> torch.Tensor:
+        """Log-probabilities (L,) of `response_ids` (L,) following the prompt in `inputs`, with
+        gradients (teacher forcing; temperature 1). Used by the backbone's PPO update."""
+        response_ids = response_ids.clone()  # ids from `generate_ids` are inference-mode tensors
+        ids = torch.cat([inputs["input_ids"], response_ids[None].to(inputs["input_ids"].device)], dim=1)
+        extra = response_ids.numel()
+        batch = dict(inputs, input_ids=ids)
+        batch["attention_mask"] = torch.cat([inputs["attention_mask"], inputs["attention_mask"].new_ones(1, extra)], dim=1)
+        batch["mm_token_type_ids"] = torch.cat([inputs["mm_token_type_ids"], inputs["mm_token_type_ids"].new_zeros(1, extra)], dim=1)
+        if "position_ids" in inputs:
+            pos = inputs["position_ids"]
+            tail = pos[..., -1:] + torch.arange(1, extra + 1, device=pos.device)
+            batch["position_ids"] = torch.cat([pos, tail], dim=-1)
+        self.model.model.rope_deltas = None
+        logits = self.model(**batch).logits[0, inputs["input_ids"].shape[1] - 1 : -1]
+        return torch.log_softmax(logits.float(), dim=-1).gather(-1, response_ids[:, None].to(logits.device))[:, 0]
 
 
 class Qwen25VLAdapter(QwenVideoAdapter):

@@ -22,8 +22,6 @@ class CAPOConfig:
     s_t * s_{t+1} > 1.
     """
 
-    s_min: float = 0.2
-    s_max: float = 1.8
     k_mix: float = 0.5  # kappa_mix, Eq. capo_pivot
     tau_fix: float = 0.4  # fixed cost target, Eq. capo_pivot
     tau_s: float = 0.15  # sigmoid temperature, Eq. capo_shaping

@@ -1,0 +1,1 @@
+"""Allocator training: data, rollout engines (HF backbone, simulation), the CAPO trainer."""

@@ -1,0 +1,133 @@
+"""Rollout engines: given one prompt and M sampled allocations, produce N scored rollouts each.
+
+- `HFRolloutEngine`: the real backbone through `backbones/` (per-pair sizes, HF generate), task
+  rewards from `capo.rewards`, exact plan R per allocation; keeps what the backbone update needs.
+- `SimulatedBackbone`: a stand-in whose chance of answering correctly rises with the scale of
+  the frames that hold the evidence (and, weakly, with the mean scale), for fast CPU studies of
+  the optimiser. The evidence frames carry a visible pattern, so the Allocator can find them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from ..backbones.qwen import QwenVideoAdapter
+from ..budget.plan import base_size, plan_from_scales
+from ..budget.policies import BudgetSpec
+from ..capo.rewards import is_correct, task_reward, task_score
+from ..video import decode_video
+from .data import TrainSample
+
+
+@dataclass
+class Prompt:
+    """One training prompt as the trainer sees it: uint8 frames (T, H, W, 3) and the query."""
+
+    frames: np.ndarray
+    query: str
+    sample: object
+    state: dict = field(default_factory=dict)  # engine-private (decoded video, base size, chat text)
+
+
+@dataclass
+class Rollouts:
+    """Scored rollouts of one prompt: task_reward and correct (M, N); retention (M,), the R each
+    allocation achieved; backbone: per-rollout (inputs, response ids) for the joint update."""
+
+    task_reward: torch.Tensor
+    correct: torch.Tensor
+    retention: torch.Tensor
+    backbone: list[list[tuple[dict, torch.Tensor]]] | None = None
+
+
+class HFRolloutEngine:
+    """Rollouts from a Qwen backbone on the real per-pair inputs."""
+
+    def __init__(self, adapter: QwenVideoAdapter, max_num_frames: int, budget: BudgetSpec, min_pixels: int | None = None, max_pixels: int | None = None,
+                 max_new_tokens: int = 32, temperature: float = 1.0, check_format: bool = False):  # fmt: skip
+        self.adapter, self.max_num_frames, self.budget = adapter, max_num_frames, budget
+        px = adapter.grid.token_px
+        self.min_pixels = min_pixels if min_pixels is not None else 4 * px * px
+        self.max_pixels = max_pixels if max_pixels is not None else 768 * px * px
+        self.max_new_tokens, self.temperature, self.check_format = max_new_tokens, temperature, check_format
+
+    def prompt(self, sample: TrainSample) -> Prompt:
+        video = decode_video(sample.video, self.max_num_frames)
+        base = base_size(*video.frames.shape[1:3], self.adapter.grid, self.min_pixels, self.max_pixels)
+        messages = [{"role": "user", "content": [{"type": "video", "video": sample.video}, {"type": "text", "text": sample.question}]}]
+        chat = self.adapter.processor.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        return Prompt(frames=video.frames, query=sample.question, sample=sample, state=dict(video=video, base=base, chat=chat))
+
+    def rollouts(self, prompt: Prompt, scales: np.ndarray, n: int, keep_backbone_inputs: bool = False) -> Rollouts:
+        sample: TrainSample = prompt.sample
+        rewards, correct, retention, backbone = [], [], [], []
+        for allocation in scales:
+            plan = plan_from_scales(allocation, prompt.state["base"], self.adapter.grid, **self.budget.plan_bounds)
+            inputs = self.adapter.build_inputs(prompt.state["chat"], prompt.state["video"], plan)
+            row_r, row_u, row_b = [], [], []
+            for _ in range(n):
+                text, ids = self.adapter.generate_ids(inputs, max_new_tokens=self.max_new_tokens, temperature=self.temperature)
+                score = task_score(sample.task_type, text, sample.answer, sample.segments)
+                row_r.append(task_reward(score, text, self.check_format))
+                row_u.append(is_correct(sample.task_type, score))
+                row_b.append((inputs, ids))
+            rewards.append(row_r), correct.append(row_u), retention.append(plan.retention), backbone.append(row_b)
+        return Rollouts(torch.tensor(rewards), torch.tensor(correct), torch.tensor(retention), backbone if keep_backbone_inputs else None)
+
+
+@dataclass
+class SimSample:
+    """A synthetic video: frames (T, 32, 32, 3) uint8 and the indices of its evidence frames."""
+
+    frames: np.ndarray
+    evidence: list[int]
+    query: str = "What does the marked frame show?"
+
+
+def make_sim_samples(count: int, num_frames: int = 8, size: int = 32, seed: int = 0) -> list[SimSample]:
+    """Smooth near-duplicate frames (one background per video, small noise) with 1-2 evidence
+    frames carrying a high-contrast checkerboard."""
+    rng = np.random.default_rng(seed)
+    yy, xx = np.mgrid[0:size, 0:size]
+    checker = (((yy // 4) + (xx // 4)) % 2 * 255).astype(np.float64)
+    samples = []
+    for _ in range(count):
+        background = rng.uniform(60, 180, 3)
+        frames = np.repeat(np.broadcast_to(background, (size, size, 3))[None], num_frames, axis=0).copy()
+        frames += rng.normal(0, 4, frames.shape)
+        evidence = sorted(rng.choice(num_frames, size=int(rng.integers(1, 3)), replace=False).tolist())
+        for t in evidence:
+            frames[t] = checker[..., None]
+        samples.append(SimSample(frames=frames.clip(0, 255).astype(np.uint8), evidence=evidence))
+    return samples
+
+
+class SimulatedBackbone:
+    """A stand-in backbone with a continuous task score, like temporal IoU:
+
+        q(s) = p_min + (p_max - p_min) * sigmoid(k_ev (mean evidence scale - s_read) + k_ctx (mean scale - 1))
+        score = clip(q(s) + N(0, noise^2), 0, 1),   u = score > 0.35
+
+    so the evidence frames' scale decides the answer and the other frames help only a little.
+    R per allocation is the paper's approximation mean(s_t^2)."""
+
+    def __init__(self, s_read: float = 0.7, k_ev: float = 15.0, k_ctx: float = 0.3, p_min: float = 0.1, p_max: float = 0.9, noise: float = 0.1, threshold: float = 0.35, seed: int = 0):
+        self.s_read, self.k_ev, self.k_ctx, self.p_min, self.p_max = s_read, k_ev, k_ctx, p_min, p_max
+        self.noise, self.threshold = noise, threshold
+        self.rng = np.random.default_rng(seed)
+
+    def prompt(self, sample: SimSample) -> Prompt:
+        return Prompt(frames=sample.frames, query=sample.query, sample=sample)
+
+    def quality(self, scales: np.ndarray, evidence: list[int]) -> np.ndarray:
+        """Expected score q(s) of each allocation, scales (M, T) -> (M,)."""
+        logit = self.k_ev * (scales[:, evidence].mean(axis=1) - self.s_read) + self.k_ctx * (scales.mean(axis=1) - 1.0)
+        return self.p_min + (self.p_max - self.p_min) / (1 + np.exp(-logit))
+
+    def rollouts(self, prompt: Prompt, scales: np.ndarray, n: int, keep_backbone_inputs: bool = False) -> Rollouts:
+        q = self.quality(scales, prompt.sample.evidence)
+        score = np.clip(q[:, None] + self.rng.normal(0, self.noise, (len(scales), n)), 0, 1).astype(np.float32)
+        return Rollouts(torch.from_numpy(score), torch.from_numpy((score > self.threshold).astype(np.float32)), torch.from_numpy((scales**2).mean(axis=1)))

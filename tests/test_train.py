@@ -1,0 +1,133 @@
+"""The CAPO trainer: the reward-design ablation in simulation, and real training on the tiny backbone."""
+
+import pytest
+
+from resadapt_eval.train.simulation import run_ablation, summarize
+
+
+def test_simulated_ablation_reproduces_the_papers_findings():
+    table = summarize(run_ablation(steps=300, seed=0), last=100)
+    direct, accuracy_only, capo, capo_sim = (table[k] for k in ("direct cost", "accuracy only", "CAPO", "CAPO + L_sim"))
+    # (i) a direct cost penalty collapses toward s_min = 0.2, and accuracy with it
+    assert direct["mean_scale"] < 0.35 and direct["accuracy"] < 0.2
+    # (ii) accuracy only saturates toward s_max = 1.8
+    assert accuracy_only["mean_scale"] > 1.45
+    # (iii) CAPO settles in between, with accuracy close to accuracy-only
+    assert direct["mean_scale"] + 0.5 < capo["mean_scale"] < accuracy_only["mean_scale"] - 0.15
+    assert capo["accuracy"] >= accuracy_only["accuracy"] - 0.05
+    assert capo["reward"] >= accuracy_only["reward"] - 0.03
+    # (iv) L_sim raises within-video scale diversity over CAPO without it
+    assert capo_sim["scale_std"] > capo["scale_std"] + 0.2
+    assert capo_sim["accuracy"] >= accuracy_only["accuracy"] - 0.05
+
+
+import json  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+
+import torch  # noqa: E402
+import yaml  # noqa: E402
+
+from resadapt_eval.allocator import Allocator  # noqa: E402
+
+from .conftest import REPO  # noqa: E402
+from .test_lmms_cli import run_lmms_eval, sidecar_records  # noqa: E402
+
+
+def tiny_config(tmp_path, fixtures_dir, **train_overrides):
+    config = yaml.safe_load((REPO / "configs" / "train_tiny.yaml").read_text())
+    config["output_dir"] = str(tmp_path / "run")
+    config["data"] = str(fixtures_dir / "smoke_videoqa" / "train.jsonl")
+    config["backbone"]["pretrained"] = str(fixtures_dir / "qwen25vl")
+    config["train"].update(train_overrides)
+    path = tmp_path / "train.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+def train_cli(*args):
+    return subprocess.run([sys.executable, "-m", "resadapt_eval.cli", "train", *args], cwd=REPO, capture_output=True, text=True, timeout=600)
+
+
+def test_train_cli_checkpoints_resumes_and_the_checkpoint_runs_in_lmms_eval(fixtures_dir, tmp_path):
+    config = tiny_config(tmp_path, fixtures_dir)
+    proc = train_cli("--config", str(config))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    run = tmp_path / "run"
+    ckpt = run / "checkpoints" / "step-000003" / "allocator"
+    assert (ckpt / "config.json").is_file() and (ckpt / "model.safetensors").is_file()
+    metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in metrics] == [1, 2, 3]
+    for m in metrics:
+        assert 0.2 <= m["mean_scale"] <= 1.8 and m["achieved_retention"] > 0 and 0 <= m["accuracy"] <= 1
+        assert {"reward", "scale_std", "gini", "loss_policy", "loss_sim", "loss_con"} <= set(m)
+
+    # Without --resume an existing run is not overwritten.
+    again = train_cli("--config", str(config))
+    assert again.returncode != 0 and "already holds checkpoints" in again.stderr
+
+    resumed = train_cli("--config", str(config), "--resume", "--steps", "4")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in metrics] == [1, 2, 3, 4]
+    state = torch.load(run / "checkpoints" / "step-000004" / "trainer.pt", weights_only=False)
+    assert state["step"] == 4
+    # The step-4 weights moved on from step 3 (training continued from the checkpoint).
+    w3 = Allocator.from_pretrained(ckpt).trainable_state_dict()
+    w4 = Allocator.from_pretrained(run / "checkpoints" / "step-000004" / "allocator").trainable_state_dict()
+    assert any(not torch.equal(w3[k], w4[k]) for k in w3)
+
+    out = tmp_path / "eval"
+    model_args = dict(pretrained=fixtures_dir / "qwen25vl", method="resadapt", allocator=ckpt, retention=0.25, max_num_frames=8, device="cpu")
+    proc = run_lmms_eval("resadapt_qwen25vl", model_args, out)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    records = sidecar_records(out)
+    assert len(records) == 8 and all(r["error"] is None and r["achieved_retention"] <= 0.25 for r in records)
+
+
+def test_joint_backbone_update_changes_the_backbone(fixtures_dir, tmp_path):
+    config = tiny_config(tmp_path, fixtures_dir, steps=1, train_backbone=True, backbone_lr=1e-3)
+    proc = train_cli("--config", str(config))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    folder = tmp_path / "run" / "checkpoints" / "step-000001"
+    metrics = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[0])
+    assert "loss_backbone" in metrics
+    from safetensors.torch import load_file
+
+    before = load_file(str(fixtures_dir / "qwen25vl" / "model.safetensors"))
+    after = load_file(str(folder / "backbone" / "model.safetensors"))
+    assert any(not torch.equal(before[k], after[k]) for k in before if k in after)
+
+
+def test_gini_by_hand():
+    from resadapt_eval.train.trainer import gini
+
+    assert gini([1.0, 1.0, 1.0, 1.0]) == 0.0
+    assert gini([0.0, 0.0, 0.0, 4.0]) == pytest.approx(24 / 32)  # sum |xi - xj| = 24; 2 n^2 mean = 32
+
+
+def test_training_data_formats_and_errors(tmp_path):
+    import pandas as pd
+
+    from resadapt_eval.train.data import load_samples
+
+    rows = [dict(video="clips/a.mp4", question="Q?", answer="B", task_type="multiple_choice"),
+            dict(video="/abs/b.mp4", question="When?", answer="", task_type="temporal_grounding", segments=[[1.0, 2.5]])]  # fmt: skip
+    jsonl = tmp_path / "train.jsonl"
+    jsonl.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    samples = load_samples(jsonl)
+    assert samples[0].video == str(tmp_path / "clips" / "a.mp4") and samples[0].segments == []
+    assert samples[1].video == "/abs/b.mp4" and samples[1].segments == [(1.0, 2.5)]
+    parquet = tmp_path / "train.parquet"
+    pd.DataFrame(rows).to_parquet(parquet)
+    assert [s.answer for s in load_samples(parquet)] == ["B", ""]
+
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps(dict(video="a.mp4", question="Q", answer="A")) + "\n")
+    with pytest.raises(ValueError, match=f"{bad}: missing columns \\['task_type'\\]"):
+        load_samples(bad)
+    bad.write_text(json.dumps(dict(video="a.mp4", question="Q", answer="A", task_type="poetry")) + "\n")
+    with pytest.raises(ValueError, match="row 0: task_type 'poetry'"):
+        load_samples(bad)
+    with pytest.raises(FileNotFoundError, match="training data not found"):
+        load_samples(tmp_path / "nope.jsonl")
