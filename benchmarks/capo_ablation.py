@@ -4,7 +4,8 @@
 
 Trains four variants of the real Allocator + CAPO trainer against the simulated backbone
 (`resadapt_eval.train.engines.SimulatedBackbone`), prints a table of the last 100 steps and
-writes mean scale / accuracy / within-video scale std over training as PNG and PDF.
+writes mean scale / accuracy / within-video scale std over training as PNG and PDF. A fifth
+variant, N-CAPO (logit-normal policy instead of Beta, with L_sim), is the distribution-family ablation.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
-from resadapt_eval.train.simulation import run_ablation, summarize  # noqa: E402
+from resadapt_eval.train.simulation import N_CAPO, VARIANTS, run_ablation, summarize  # noqa: E402
 
 
 def smooth(values, window=10):
@@ -35,7 +36,7 @@ def main() -> None:
     args = parser.parse_args()
 
     t0 = time.perf_counter()
-    histories = run_ablation(steps=args.steps, seed=args.seed, progress=True)
+    histories = run_ablation(steps=args.steps, seed=args.seed, variants={**VARIANTS, **N_CAPO}, progress=True)
     table = summarize(histories)
     print(f"\nlast 100 of {args.steps} steps, seed {args.seed}, {time.perf_counter() - t0:.0f} s")
     print(f"{'variant':<15} {'mean scale':>10} {'scale std':>9} {'Gini':>6} {'accuracy':>8} {'score':>6} {'R~mean s^2':>10}")

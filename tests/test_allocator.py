@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch.distributions import Beta
 
-from resadapt_eval.allocator import Allocator, AllocatorConfig, AllocatorPolicy, CheckpointError, latent_actions
+from resadapt_eval.allocator import Allocator, AllocatorConfig, AllocatorPolicy, CheckpointError, beta_actions, logit_normal_actions
 from resadapt_eval.allocator.model import FORMAT_VERSION
 from resadapt_eval.budget.plan import QWEN3VL_GRID, QWEN25VL_GRID, base_size, plan_from_scales, project_to_retention
 from resadapt_eval.budget.policies import BudgetSpec
@@ -24,8 +24,8 @@ def frames(num_frames=8, seed=0, height=48, width=64):
 
 def scales_of(allocator, video_frames, query, mode="mean"):
     feats = allocator.encode([video_frames], [query])
-    alpha, beta = allocator(**feats)
-    return allocator.to_scale(latent_actions(alpha[0], beta[0], mode)).detach()
+    p1, p2 = allocator(**feats)
+    return allocator.to_scale(allocator.latent_actions(p1[0], p2[0], mode)).detach()
 
 
 def test_log_density_is_the_sum_of_per_frame_beta_log_densities_by_hand():
@@ -142,16 +142,16 @@ def test_bad_checkpoints_give_clear_errors_naming_the_file(tmp_path):
 
 def test_inference_modes():
     alpha, beta = torch.tensor([2.0, 5.0]), torch.tensor([2.0, 1.5])
-    assert torch.allclose(latent_actions(alpha, beta, "mean"), torch.tensor([0.5, 5 / 6.5]))
+    assert torch.allclose(beta_actions(alpha, beta, "mean"), torch.tensor([0.5, 5 / 6.5]))
     # The median of a symmetric Beta is 0.5; the 0.25 quantile of Beta(2, 2) solves 3x^2 - 2x^3 = 0.25.
-    q = latent_actions(torch.tensor([2.0]), torch.tensor([2.0]), "quantile", quantile=0.25).item()
+    q = beta_actions(torch.tensor([2.0]), torch.tensor([2.0]), "quantile", quantile=0.25).item()
     assert 3 * q**2 - 2 * q**3 == pytest.approx(0.25, abs=1e-6)
-    assert latent_actions(torch.tensor([3.0]), torch.tensor([3.0]), "quantile", 0.5).item() == pytest.approx(0.5)
-    s1 = latent_actions(alpha, beta, "sample", seed=7)
-    assert torch.equal(s1, latent_actions(alpha, beta, "sample", seed=7))
-    assert not torch.equal(s1, latent_actions(alpha, beta, "sample", seed=8))
+    assert beta_actions(torch.tensor([3.0]), torch.tensor([3.0]), "quantile", 0.5).item() == pytest.approx(0.5)
+    s1 = beta_actions(alpha, beta, "sample", seed=7)
+    assert torch.equal(s1, beta_actions(alpha, beta, "sample", seed=7))
+    assert not torch.equal(s1, beta_actions(alpha, beta, "sample", seed=8))
     with pytest.raises(ValueError, match="inference must be one of"):
-        latent_actions(alpha, beta, "mode")
+        beta_actions(alpha, beta, "mode")
 
 
 @pytest.mark.parametrize("num_frames", [8, 32, 33])
@@ -227,3 +227,25 @@ def test_minilm_effnet_encoders_load_offline_and_embed():
     emb, m = enc.encode_text(["a red square moves", "a crimson box is moving", "stock prices fell sharply"])
     pooled = torch.nn.functional.normalize((emb * m[..., None]).sum(1) / m.sum(1, keepdim=True), dim=-1)
     assert pooled[0] @ pooled[1] > pooled[0] @ pooled[2] + 0.2
+
+
+def test_logit_normal_policy_for_the_n_capo_ablation(tmp_path):
+    # Hand values: median sigmoid(mu); the 0.8413 quantile is sigmoid(mu + sigma) (Phi(1) = 0.8413).
+    mu, sigma = torch.tensor([0.0, 1.0]), torch.tensor([0.5, 2.0])
+    assert torch.allclose(logit_normal_actions(mu, sigma, "mean"), torch.sigmoid(mu))
+    q = logit_normal_actions(mu, sigma, "quantile", quantile=0.841344746)
+    assert torch.allclose(q, torch.sigmoid(mu + sigma), atol=1e-5)
+    # log q(a) = log N(logit a; mu, sigma) - log(a (1 - a)), summed over frames.
+    allocator = Allocator(tiny_config(policy="logit_normal", head_init_std=0.0))
+    feats = allocator.encode([frames(4)], ["q"])
+    dist = allocator.distribution(**feats)
+    a = torch.tensor([[0.2, 0.5, 0.7, 0.9]])
+    mu0, sigma0 = allocator(**feats)
+    z = torch.log(a / (1 - a))
+    by_hand = (-0.5 * ((z - mu0) / sigma0) ** 2 - torch.log(sigma0) - 0.5 * math.log(2 * math.pi) - torch.log(a * (1 - a))).sum()
+    assert Allocator.log_prob(dist, a, torch.ones(1, 4, dtype=torch.bool)).item() == pytest.approx(by_hand.item(), rel=1e-5)
+    # Initialised at scale 1.0 (median), sigma = init_sigma; saves and loads like the Beta head.
+    assert torch.allclose(scales_of(allocator, frames(4), "q"), torch.ones(4), atol=1e-5)
+    assert torch.allclose(sigma0, torch.full_like(sigma0, 0.5), atol=1e-5)
+    allocator.save_pretrained(tmp_path / "n")
+    assert torch.equal(scales_of(Allocator.from_pretrained(tmp_path / "n"), frames(4), "q"), scales_of(allocator, frames(4), "q"))

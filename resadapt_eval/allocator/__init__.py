@@ -1,10 +1,10 @@
 """The ResAdapt Allocator: model, frozen encoders, checkpoints, inference."""
 
 from .encoders import ENCODERS, FrozenEncoders, build_encoders
-from .inference import BUILTIN, INFERENCE_MODES, AllocatorPolicy, latent_actions, load_allocator
-from .model import Allocator, AllocatorConfig, CheckpointError
+from .inference import BUILTIN, AllocatorPolicy, load_allocator
+from .model import INFERENCE_MODES, Allocator, AllocatorConfig, CheckpointError, beta_actions, logit_normal_actions
 
 __all__ = [
     "Allocator", "AllocatorConfig", "AllocatorPolicy", "BUILTIN", "CheckpointError", "ENCODERS",
-    "FrozenEncoders", "INFERENCE_MODES", "build_encoders", "latent_actions", "load_allocator",
+    "FrozenEncoders", "INFERENCE_MODES", "beta_actions", "build_encoders", "load_allocator", "logit_normal_actions",
 ]  # fmt: skip

@@ -1,4 +1,4 @@
-"""Allocator inference: Beta mean / quantile / seeded sample -> per-frame scales, projected to R.
+"""Allocator inference: policy mean / quantile / seeded sample -> per-frame scales, projected to R.
 
 `AllocatorPolicy` is the `method=resadapt` budget policy: it runs the Allocator on the frames the
 pipeline already decoded and the query, and records its time per stage (text encode, visual
@@ -12,13 +12,10 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from scipy.special import betaincinv
-
 from ..budget.plan import TokenGrid, project_to_retention
 from ..budget.policies import BudgetSpec
-from .model import Allocator, AllocatorConfig
+from .model import INFERENCE_MODES, Allocator, AllocatorConfig
 
-INFERENCE_MODES = ("mean", "quantile", "sample")
 BUILTIN = "builtin"
 
 
@@ -30,22 +27,6 @@ def load_allocator(spec: str | None, device: str | torch.device = "cpu") -> Allo
     else:
         allocator = Allocator.from_pretrained(Path(spec))
     return allocator.to(device).eval()
-
-
-def latent_actions(alpha: torch.Tensor, beta: torch.Tensor, mode: str = "mean", quantile: float = 0.5, seed: int = 0) -> torch.Tensor:
-    """Per-frame latent a_t in (0, 1): the Beta mean, a quantile, or a sample seeded by `seed`."""
-    if mode == "mean":
-        return alpha / (alpha + beta)
-    if mode == "quantile":
-        if not 0 < quantile < 1:
-            raise ValueError(f"quantile must be in (0, 1), got {quantile}")
-        a = betaincinv(alpha.double().cpu().numpy(), beta.double().cpu().numpy(), quantile)
-        return torch.as_tensor(a, dtype=alpha.dtype, device=alpha.device)
-    if mode == "sample":
-        with torch.random.fork_rng(devices=[alpha.device] if alpha.device.type == "cuda" else []):
-            torch.manual_seed(seed)
-            return torch.distributions.Beta(alpha, beta).sample()
-    raise ValueError(f"allocator inference must be one of {INFERENCE_MODES}, got {mode!r}")
 
 
 class AllocatorPolicy:
@@ -66,8 +47,8 @@ class AllocatorPolicy:
         feats = enc.encode_frames(torch.from_numpy(np.ascontiguousarray(frames)))[None]
         t2 = time.perf_counter()
         mask = torch.ones(feats.shape[:2], dtype=torch.bool, device=feats.device)
-        alpha, beta = self.allocator(feats, mask, text, text_mask)
-        a = latent_actions(alpha[0], beta[0], self.mode, self.quantile, self.seed)
+        p1, p2 = self.allocator(feats, mask, text, text_mask)
+        a = self.allocator.latent_actions(p1[0], p2[0], self.mode, self.quantile, self.seed)
         scales = self.allocator.to_scale(a).double().cpu().numpy()
         timings.update(allocator_text_s=t1 - t0, allocator_visual_s=t2 - t1, allocator_predict_s=time.perf_counter() - t2)
         return scales

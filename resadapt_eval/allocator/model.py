@@ -6,6 +6,9 @@
     a_t ~ Beta(alpha_t, beta_t),   s_t = s_min + a_t (s_max - s_min)               (Eq. scale_map)
     log q(a | x) = sum_t log Beta(a_t; alpha_t, beta_t)                            (Eq. logprob)
 
+`policy="logit_normal"` is the N-CAPO ablation: a_t = sigmoid(z_t), z_t ~ Normal(mu_t, sigma_t)
+(a Gaussian policy kept inside (0, 1)); its deterministic action is the median sigmoid(mu_t).
+
 Checkpoints: `save_pretrained(dir)` writes `config.json` (with the encoder's name/path) and
 `model.safetensors` holding only the trainable weights; `from_pretrained(dir)` rebuilds the frozen
 encoders from the config. No remote code.
@@ -23,7 +26,8 @@ import torch.nn.functional as F
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import nn
-from torch.distributions import Beta
+from torch.distributions import Beta, Distribution, Normal, TransformedDistribution
+from torch.distributions.transforms import SigmoidTransform
 
 from .encoders import ENCODERS, FrozenEncoders, build_encoders
 
@@ -31,6 +35,8 @@ FORMAT_VERSION = 1
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
 MIN_EXCESS = 1e-4  # alpha, beta >= 1 + MIN_EXCESS
+MIN_SIGMA = 1e-3  # logit-normal sigma floor
+POLICIES = ("beta", "logit_normal")
 
 
 class CheckpointError(ValueError):
@@ -42,6 +48,7 @@ class AllocatorConfig:
     """Everything that defines an Allocator. Widths in features; scales are linear factors.
 
     encoder / encoder_path: frozen encoders by name (`minilm-effnet`, `smolvlm`, `tiny`) and path.
+    policy: `beta` (the paper's head) or `logit_normal` (N-CAPO); init_sigma: its initial sigma.
     width: shared width D; num_layers / num_heads: decoder depth and heads; ffn_mult: FFN width / D.
     gate_init: initial sigmoid gate of the cross-attention. s_min, s_max: scale range.
     init_concentration: alpha + beta at initialisation (the mean scale starts at 1.0);
@@ -61,10 +68,14 @@ class AllocatorConfig:
     init_concentration: float = 8.0
     head_init_std: float = 0.02
     max_concentration: float = 100.0
+    policy: str = "beta"
+    init_sigma: float = 0.5
     seed: int = 0
     format_version: int = FORMAT_VERSION
 
     def __post_init__(self):
+        if self.policy not in POLICIES:
+            raise ValueError(f"policy must be one of {POLICIES}, got {self.policy!r}")
         if not 0 < self.s_min < 1 < self.s_max:
             raise ValueError(f"need 0 < s_min < 1 < s_max, got [{self.s_min}, {self.s_max}]")
         if self.width % self.num_heads:
@@ -126,15 +137,18 @@ class Allocator(nn.Module):
         self.norm_out = nn.LayerNorm(D)
         self.head = nn.Linear(D, 2)
         nn.init.normal_(self.head.weight, std=config.head_init_std)
-        alpha0 = config.init_concentration * config.initial_mean
-        beta0 = config.init_concentration * (1 - config.initial_mean)
-        with torch.no_grad():  # softplus(b) + 1 = alpha0 / beta0  =>  b = softplus^-1(alpha0 - 1)
-            self.head.bias.copy_(torch.tensor([alpha0 - 1, beta0 - 1]).expm1().log())
+        m = config.initial_mean
+        with torch.no_grad():
+            if config.policy == "beta":  # softplus(b) + 1 = alpha0 / beta0  =>  b = softplus^-1(alpha0 - 1)
+                alpha0, beta0 = config.init_concentration * m, config.init_concentration * (1 - m)
+                self.head.bias.copy_(torch.tensor([alpha0 - 1, beta0 - 1]).expm1().log())
+            else:  # mu = logit(m) so the median action maps to scale 1.0; softplus(b) = init_sigma
+                self.head.bias.copy_(torch.tensor([math.log(m / (1 - m)), math.log(math.expm1(config.init_sigma))]))
         torch.random.set_rng_state(generator_state)
 
     # ------------------------------------------------------------------ policy
     def forward(self, frame_features, frame_mask, text_features, text_mask) -> tuple[torch.Tensor, torch.Tensor]:
-        """Beta parameters (alpha, beta), each (B, T), from encoder features.
+        """Policy parameters, each (B, T): Beta (alpha, beta), or logit-normal (mu, sigma).
 
         frame_features (B, T, frame_dim) with frame_mask (B, T); text_features (B, L, text_dim)
         with text_mask (B, L); masks are True on real entries.
@@ -145,9 +159,24 @@ class Allocator(nn.Module):
         for layer in self.layers:
             x = layer(x, frame_mask, text, text_mask)
         raw = self.head(self.norm_out(x))
+        if self.config.policy == "logit_normal":
+            return raw[..., 0], F.softplus(raw[..., 1]).clamp(min=MIN_SIGMA)
         # softplus underflows to 0 for very negative inputs: keep alpha, beta strictly above 1.
         conc = (F.softplus(raw) + 1.0).clamp(min=1.0 + MIN_EXCESS, max=self.config.max_concentration)
         return conc[..., 0], conc[..., 1]
+
+    def make_distribution(self, p1: torch.Tensor, p2: torch.Tensor) -> Distribution:
+        """The latent policy q(a | x) over (0, 1) from `forward`'s parameters."""
+        if self.config.policy == "logit_normal":
+            return TransformedDistribution(Normal(p1, p2), SigmoidTransform())
+        return Beta(p1, p2)
+
+    def latent_actions(self, p1: torch.Tensor, p2: torch.Tensor, mode: str = "mean", quantile: float = 0.5, seed: int = 0) -> torch.Tensor:
+        """Per-frame latent a_t in (0, 1): the policy's mean (Beta) or median (logit-normal), a
+        quantile, or a sample seeded by `seed`."""
+        if self.config.policy == "logit_normal":
+            return logit_normal_actions(p1, p2, mode, quantile, seed)
+        return beta_actions(p1, p2, mode, quantile, seed)
 
     def encode(self, frames: list[torch.Tensor], queries: list[str]) -> dict:
         """Frozen features for a batch of videos: uint8 frames (T_i, H_i, W_i, 3) and query strings."""
@@ -162,10 +191,9 @@ class Allocator(nn.Module):
             mask[i, : len(f)] = True
         return dict(frame_features=feats, frame_mask=mask, text_features=text, text_mask=text_mask)
 
-    def distribution(self, frame_features, frame_mask, text_features, text_mask) -> Beta:
-        """Per-frame latent policy q(a_t | x) as a `torch.distributions.Beta` of shape (B, T)."""
-        alpha, beta = self(frame_features, frame_mask, text_features, text_mask)
-        return Beta(alpha, beta)
+    def distribution(self, frame_features, frame_mask, text_features, text_mask) -> Distribution:
+        """Per-frame latent policy q(a_t | x) with batch shape (B, T)."""
+        return self.make_distribution(*self(frame_features, frame_mask, text_features, text_mask))
 
     def to_scale(self, a: torch.Tensor) -> torch.Tensor:
         """Eq. scale_map: s = s_min + a (s_max - s_min)."""
@@ -176,7 +204,7 @@ class Allocator(nn.Module):
         return (s - self.config.s_min) / (self.config.s_max - self.config.s_min)
 
     @staticmethod
-    def log_prob(dist: Beta, a: torch.Tensor, frame_mask: torch.Tensor) -> torch.Tensor:
+    def log_prob(dist: Distribution, a: torch.Tensor, frame_mask: torch.Tensor) -> torch.Tensor:
         """Eq. logprob: log q(a | x) = sum over real frames of log Beta(a_t; alpha_t, beta_t), shape (B,)."""
         return (dist.log_prob(a) * frame_mask).sum(dim=-1)
 
@@ -212,6 +240,48 @@ class Allocator(nn.Module):
                 raise CheckpointError(f"{weights}: {key} has shape {tuple(value.shape)}, the config expects {tuple(expected[key].shape)}")
         model.load_state_dict(state, strict=False)
         return model
+
+
+INFERENCE_MODES = ("mean", "quantile", "sample")
+
+
+def _sample(dist: Distribution, seed: int, device: torch.device) -> torch.Tensor:
+    """A sample drawn under `seed`, leaving the global RNG state as it was."""
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        torch.manual_seed(seed)
+        return dist.sample()
+
+
+def beta_actions(alpha: torch.Tensor, beta: torch.Tensor, mode: str = "mean", quantile: float = 0.5, seed: int = 0) -> torch.Tensor:
+    """Beta mean, quantile (scipy's inverse regularised incomplete beta) or seeded sample."""
+    if mode == "mean":
+        return alpha / (alpha + beta)
+    if mode == "quantile":
+        from scipy.special import betaincinv
+
+        _check_quantile(quantile)
+        a = betaincinv(alpha.double().cpu().numpy(), beta.double().cpu().numpy(), quantile)
+        return torch.as_tensor(a, dtype=alpha.dtype, device=alpha.device)
+    if mode == "sample":
+        return _sample(Beta(alpha, beta), seed, alpha.device)
+    raise ValueError(f"allocator inference must be one of {INFERENCE_MODES}, got {mode!r}")
+
+
+def logit_normal_actions(mu: torch.Tensor, sigma: torch.Tensor, mode: str = "mean", quantile: float = 0.5, seed: int = 0) -> torch.Tensor:
+    """Logit-normal median sigmoid(mu) (for `mean`), quantile sigmoid(mu + sigma Phi^-1(q)), or sample."""
+    if mode == "mean":
+        return torch.sigmoid(mu)
+    if mode == "quantile":
+        _check_quantile(quantile)
+        return torch.sigmoid(mu + sigma * Normal(0.0, 1.0).icdf(torch.tensor(quantile)))
+    if mode == "sample":
+        return _sample(TransformedDistribution(Normal(mu, sigma), SigmoidTransform()), seed, mu.device)
+    raise ValueError(f"allocator inference must be one of {INFERENCE_MODES}, got {mode!r}")
+
+
+def _check_quantile(quantile: float) -> None:
+    if not 0 < quantile < 1:
+        raise ValueError(f"quantile must be in (0, 1), got {quantile}")
 
 
 def load_config(path: Path) -> AllocatorConfig:

@@ -103,8 +103,7 @@ class AllocatorTrainer:
             prompt = self.engine.prompt(sample)
             feats = self.allocator.encode([torch.from_numpy(np.ascontiguousarray(prompt.frames))], [prompt.query])
             with torch.no_grad():
-                alpha, beta = self.model(**feats)
-                dist = torch.distributions.Beta(alpha, beta)  # (1, T)
+                dist = self.allocator.make_distribution(*self.model(**feats))  # (1, T)
                 a = dist.sample((cfg.num_allocations,))[:, 0].clamp(LATENT_EPS, 1 - LATENT_EPS)  # (M, T)
                 logp_old = dist.log_prob(a)
             scales = self.allocator.to_scale(a)
@@ -117,14 +116,15 @@ class AllocatorTrainer:
             losses = {"policy": 0.0, "sim": 0.0, "con": 0.0}
             total = 0.0
             for item in collected:
-                alpha, beta = self.model(**item["feats"])
-                dist = torch.distributions.Beta(alpha, beta)
+                p1, p2 = self.model(**item["feats"])
+                dist = self.allocator.make_distribution(p1, p2)
                 logp_new = dist.log_prob(item["a"])
                 mask = torch.ones_like(logp_new, dtype=torch.bool)
                 policy = allocator_ppo_loss(logp_new, item["logp_old"], allocation_advantage(item["advantage"]), mask, capo.clip_low, capo.clip_high)
-                mean_scales = self.allocator.to_scale(dist.mean)[0]
+                mean_scales = self.allocator.to_scale(self.allocator.latent_actions(p1, p2))[0]
                 sim = similarity_loss(item["feats"]["frame_features"][0], mean_scales, capo)
-                con = concentration_loss(alpha, beta, capo.kappa_max)
+                # L_con caps the Beta's concentration alpha + beta; the logit-normal has none.
+                con = concentration_loss(p1, p2, capo.kappa_max) if self.allocator.config.policy == "beta" else torch.zeros(())
                 total = total + (policy + capo.lambda_sim * sim + capo.lambda_con * con) / len(collected)
                 for name, value in (("policy", policy), ("sim", sim), ("con", con)):
                     losses[name] += value.item() / len(collected)
@@ -145,8 +145,8 @@ class AllocatorTrainer:
         rows = []
         for item in collected:
             with torch.no_grad():
-                alpha, beta = self.model(**item["feats"])
-                omega = torch.exp((torch.distributions.Beta(alpha, beta).log_prob(item["a"]) - item["logp_old"]).sum(dim=-1))  # (M,)
+                dist = self.allocator.make_distribution(*self.model(**item["feats"]))
+                omega = torch.exp((dist.log_prob(item["a"]) - item["logp_old"]).sum(dim=-1))  # (M,)
             for m, allocation in enumerate(item["rollouts"].backbone):
                 for n, (inputs, ids) in enumerate(allocation):
                     if ids.numel():
@@ -171,7 +171,7 @@ class AllocatorTrainer:
 
     def metrics(self, collected: list, losses: dict) -> dict:
         with torch.no_grad():
-            policy_means = [self.allocator.to_scale(torch.distributions.Beta(*self.model(**c["feats"])).mean)[0].cpu().numpy() for c in collected]
+            policy_means = [self.allocator.to_scale(self.allocator.latent_actions(*self.model(**c["feats"])))[0].cpu().numpy() for c in collected]
         sampled = torch.cat([c["scales"] for c in collected]).cpu().numpy()
         return dict(
             step=self.step,
