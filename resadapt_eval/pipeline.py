@@ -13,7 +13,8 @@ from .budget.plan import ResizePlan, base_size, plan_from_scales
 from .budget.policies import POLICIES, BudgetSpec
 from .video import DecodedVideo, decode_video
 
-METHODS = (*POLICIES, "resadapt")
+COMPRESSION_METHODS = ("random_drop", "tome", "visionzip", "flashvid")  # vanilla plan, then compress tokens
+METHODS = (*POLICIES, "resadapt", *COMPRESSION_METHODS)
 
 
 @dataclass
@@ -23,7 +24,8 @@ class SampleRecord:
     scales: per-frame scale s_t; grids: (t, h, w) merged-token grid per pair; visual_tokens: tokens
     that entered the LLM; reference_tokens: the vanilla plan's tokens for the same frames;
     achieved_retention = visual_tokens / reference_tokens; raw_scales: an Allocator's scales before
-    projection to the target R. Seconds: decode_s (video decode), allocator_{text,visual,predict}_s
+    projection to the target R; merged_sizes: for token compressors, how many original tokens each
+    kept token stands for (sums to the vanilla count for merging methods). Seconds: decode_s (video decode), allocator_{text,visual,predict}_s
     (Allocator stages; predict includes the projection), scale_apply_s (resizing frames to the plan),
     preprocess_s (planning and building the model inputs, resize included), generate_s.
     """
@@ -43,6 +45,7 @@ class SampleRecord:
     achieved_retention: float | None = None
     target_retention: float | None = None
     raw_scales: list[float] | None = None
+    merged_sizes: list[int] | None = None
     input_tokens: int = 0
     output_tokens: int = 0
     decode_s: float = 0.0
@@ -71,12 +74,15 @@ class VideoPipelineConfig:
     allocator_inference: str = "mean"
     allocator_quantile: float = 0.5
     allocator_seed: int = 0
+    compression_seed: int = 0
 
     def __post_init__(self):
         if self.method not in METHODS:
             raise ValueError(f"unknown method {self.method!r}; available: {', '.join(METHODS)}")
         if self.allocator is not None and self.method != "resadapt":
             raise ValueError(f"allocator= is only used by method=resadapt, not {self.method!r}")
+        if self.method in COMPRESSION_METHODS and self.budget.retention is None:
+            raise ValueError(f"method={self.method} needs a target retention (model_args retention=...)")
         if self.max_num_frames < 1:
             raise ValueError(f"max_num_frames must be at least 1, got {self.max_num_frames}")
 
@@ -92,6 +98,8 @@ class VideoPipeline:
 
             allocator = load_allocator(config.allocator, device=adapter.device)
             self.policy = AllocatorPolicy(allocator, config.allocator_inference, config.allocator_quantile, config.allocator_seed)
+        elif config.method in COMPRESSION_METHODS:
+            self.policy = POLICIES["vanilla"]  # compressors start from the vanilla plan
         else:
             self.policy = POLICIES[config.method]
         px = adapter.grid.token_px
@@ -135,7 +143,16 @@ class VideoPipeline:
         record.pair_sizes = [list(hw) for hw in plan.pair_sizes]
         record.grids = [list(g) for g in plan.grids]
         record.reference_tokens = plan.reference_tokens
-        inputs = self.adapter.build_inputs(prompt, video, plan, timings=context["timings"])
+        if self.config.method in COMPRESSION_METHODS:
+            from .baselines import COMPRESSORS, NEEDS_ATTENTION
+
+            inputs, sizes = self.adapter.build_compressed_inputs(
+                prompt, video, plan, COMPRESSORS[self.config.method], self.config.budget.retention,
+                seed=self.config.compression_seed, needs_attention=self.config.method in NEEDS_ATTENTION, timings=context["timings"],
+            )  # fmt: skip
+            record.merged_sizes = sizes.tolist()
+        else:
+            inputs = self.adapter.build_inputs(prompt, video, plan, timings=context["timings"])
         for name, seconds in context["timings"].items():
             setattr(record, name, seconds)
         allocator_s = record.allocator_text_s + record.allocator_visual_s + record.allocator_predict_s

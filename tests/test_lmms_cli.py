@@ -135,3 +135,18 @@ def test_resadapt_with_the_builtin_allocator_runs_within_budget(fixtures_dir, tm
         assert len(r["raw_scales"]) == 8
         assert 0.20 <= r["achieved_retention"] <= 0.25
         assert min(r["allocator_text_s"], r["allocator_visual_s"], r["allocator_predict_s"], r["scale_apply_s"]) > 0
+
+
+@pytest.mark.parametrize("backbone", ["qwen25vl", "qwen3vl"])
+@pytest.mark.parametrize("method", ["random_drop", "tome", "visionzip", "flashvid"])
+def test_token_compressors_run_through_the_cli_at_exact_budgets(fixtures_dir, tmp_path, backbone, method):
+    # The fixed-method names (e.g. tome_qwen3vl) share the default prompt with every other method.
+    model_args = dict(pretrained=fixtures_dir / backbone, retention=0.1, max_num_frames=8, device="cpu")
+    proc = run_lmms_eval(f"{method}_{backbone}", model_args, tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    records = sidecar_records(tmp_path)
+    assert len(records) == 8
+    for r in records:
+        assert r["error"] is None and r["method"] == method
+        assert abs(r["achieved_retention"] - 0.1) <= 0.01
+        assert r["visual_tokens"] == len(r["merged_sizes"]) == max(len(r["grids"]), round(0.1 * r["reference_tokens"]))

@@ -21,7 +21,10 @@ import torch
 from torchvision.transforms import InterpolationMode
 from torchvision.transforms.functional import resize
 from transformers import AutoModelForImageTextToText, AutoProcessor
+from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import apply_rotary_pos_emb_vision as qwen25_vision_rotary
+from transformers.models.qwen3_vl.modeling_qwen3_vl import apply_rotary_pos_emb_vision as qwen3_vision_rotary
 from transformers.video_utils import VideoMetadata
+from transformers.vision_utils import get_vision_window_index
 
 from ..budget.plan import QWEN3VL_GRID, QWEN25VL_GRID, ResizePlan, TokenGrid
 from ..video import DecodedVideo
@@ -103,6 +106,92 @@ class QwenVideoAdapter:
         """Explicit M-RoPE positions (3, 1, L), or None where the stock rope is already right."""
         return None
 
+    def full_positions(self, inputs: dict) -> torch.Tensor:
+        """M-RoPE positions (3, 1, L) of `build_inputs` output, explicit or the stock rope's."""
+        if "position_ids" in inputs:
+            return inputs["position_ids"]
+        positions, _ = self.model.model.get_rope_index(
+            inputs["input_ids"], inputs["mm_token_type_ids"], video_grid_thw=inputs["video_grid_thw"], attention_mask=inputs["attention_mask"]
+        )
+        return positions
+
+    # ------------------------------------------------------------------ token compression
+    def unit_order(self, grid_thw: torch.Tensor) -> torch.Tensor | None:
+        """For each merged token (LLM order), its merge unit's index in the last ViT block's
+        sequence order; None when the orders agree."""
+        return None
+
+    def received_attention(self, captured: dict, grid_thw: torch.Tensor) -> torch.Tensor:
+        """(N,) attention each merged token's patches receive in the last ViT block: recomputed
+        eagerly from the block's captured input, mean over heads and query patches, mean over
+        the merge unit's patches, in LLM order."""
+        attn = captured["module"]
+        hidden, cu_seqlens = captured["hidden_states"], captured["cu_seqlens"]
+        cos, sin = captured["position_embeddings"]
+        length = hidden.shape[0]
+        q, k, _ = attn.qkv(hidden).reshape(length, 3, attn.num_heads, -1).permute(1, 0, 2, 3).unbind(0)
+        q, k = self.vision_rotary(q, k, cos, sin)
+        received = torch.zeros(length, device=hidden.device)
+        bounds = cu_seqlens.tolist()
+        for lo, hi in zip(bounds[:-1], bounds[1:]):
+            scores = torch.einsum("qhd,khd->hqk", q[lo:hi].float(), k[lo:hi].float()) * attn.scaling
+            received[lo:hi] = scores.softmax(dim=-1).mean(dim=(0, 1))
+        unit = self.model.config.vision_config.spatial_merge_size**2
+        per_unit = received.reshape(-1, unit).mean(dim=1)
+        order = self.unit_order(grid_thw)
+        return per_unit if order is None else per_unit[order]
+
+    @torch.inference_mode()
+    def build_compressed_inputs(self, prompt: str, video: DecodedVideo, plan: ResizePlan, compress, retention: float, seed: int = 0,
+                                needs_attention: bool = False, timings: dict | None = None) -> tuple[dict, torch.Tensor]:  # fmt: skip
+        """Inputs for `plan` with its merged visual tokens compressed by `compress` to
+        round(retention * N) tokens; kept tokens keep their full-sequence M-RoPE positions and text
+        after the video keeps its positions. Returns (inputs for `generate`, group sizes (K,))."""
+        from ..baselines import VisualTokens, kept_count, merge_groups
+
+        full = self.build_inputs(prompt, video, plan, timings=timings)
+        positions = self.full_positions(full)
+        captured = {}
+        hook = None
+        if needs_attention:
+            last = self.model.model.visual.blocks[-1].attn
+
+            def capture(module, args, kwargs):
+                captured.update(module=module, hidden_states=args[0], cu_seqlens=kwargs["cu_seqlens"], position_embeddings=kwargs["position_embeddings"])
+
+            hook = last.register_forward_pre_hook(capture, with_kwargs=True)
+        try:
+            encoded = self.model.model.get_video_features(full["pixel_values_videos"], full["video_grid_thw"], return_dict=True)
+        finally:
+            if hook is not None:
+                hook.remove()
+        features = torch.cat(encoded.pooler_output)
+        tokens = VisualTokens(
+            features=features,
+            pair_sizes=plan.pair_tokens,
+            grids=plan.grids,
+            received_attention=self.received_attention(captured, full["video_grid_thw"]) if needs_attention else None,
+        )
+        assignment = compress(tokens, kept_count(retention, features.shape[0], len(plan.grids)), seed).to(features.device)
+        deepstack = getattr(encoded, "deepstack_features", None)
+        extra = [torch.cat(layer) for layer in deepstack] if deepstack is not None else []
+        kept, sizes, (merged, *merged_deepstack) = merge_groups(assignment, features, *extra)
+        video_at = torch.nonzero(full["mm_token_type_ids"][0] == VIDEO_TOKEN_TYPE).flatten()
+        keep_seq = torch.ones(full["input_ids"].shape[1], dtype=torch.bool, device=video_at.device)
+        keep_seq[video_at] = False
+        keep_seq[video_at[kept]] = True
+        outputs = dict(pooler_output=[merged])
+        if deepstack is not None:
+            outputs["deepstack_features"] = [[d] for d in merged_deepstack]
+        inputs = dict(
+            input_ids=full["input_ids"][:, keep_seq],
+            attention_mask=full["attention_mask"][:, keep_seq],
+            mm_token_type_ids=full["mm_token_type_ids"][:, keep_seq],
+            position_ids=positions[..., keep_seq],
+            mm_encoder_outputs={"video": type(encoded)(**outputs)},
+        )
+        return inputs, sizes
+
     # ------------------------------------------------------------------ generation
     @torch.inference_mode()
     def generate(self, inputs: dict, max_new_tokens: int = 128, temperature: float = 0.0, top_p: float | None = None, num_beams: int = 1) -> tuple[str, int]:
@@ -147,6 +236,7 @@ class QwenVideoAdapter:
 
 class Qwen25VLAdapter(QwenVideoAdapter):
     grid = QWEN25VL_GRID
+    vision_rotary = staticmethod(qwen25_vision_rotary)
 
     def pair_metadata(self, video: DecodedVideo, plan: ResizePlan) -> list[VideoMetadata]:
         # Each 2-frame item runs at the sampled frame rate, so the processor's
@@ -180,9 +270,17 @@ class Qwen25VLAdapter(QwenVideoAdapter):
         text_after = (torch.arange(len(input_ids) - end, device=input_ids.device) + after).expand(3, -1)
         return torch.cat([text_before, video_pos, text_after], dim=1).unsqueeze(1)
 
+    def unit_order(self, grid_thw: torch.Tensor) -> torch.Tensor:
+        """The vision tower runs its blocks in window order; its merger output is put back with
+        argsort(window_index), so merged token i is window-order unit argsort(window_index)[i]."""
+        vision = self.model.config.vision_config
+        window_index, _ = get_vision_window_index(grid_thw, spatial_merge_size=vision.spatial_merge_size, window_size=vision.window_size, patch_size=vision.patch_size)
+        return torch.argsort(window_index)
+
 
 class Qwen3VLAdapter(QwenVideoAdapter):
     grid = QWEN3VL_GRID
+    vision_rotary = staticmethod(qwen3_vision_rotary)
 
     def pair_metadata(self, video: DecodedVideo, plan: ResizePlan) -> list[VideoMetadata]:
         # Frame indices of the pair in the file, so the processor writes the stock timestamp

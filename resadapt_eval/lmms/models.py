@@ -24,6 +24,7 @@ from lmms_eval.utils import sanitize_model_name
 from ..backbones.qwen import Qwen3VLAdapter, Qwen25VLAdapter, QwenVideoAdapter
 from ..budget.policies import BudgetSpec
 from ..pipeline import SampleRecord, VideoPipeline, VideoPipelineConfig
+from .manifests import METHOD_PREFIXES, class_name
 
 
 def _none_or(value, cast):
@@ -44,7 +45,8 @@ class ResAdaptQwen(lmms):
     model_args: pretrained (path or hub id), method (vanilla | fixed_scale | resadapt), retention
     (target R; for resadapt the Allocator's scales are projected onto it), allocator (checkpoint
     folder or `builtin`), allocator_inference (mean | quantile | sample), allocator_quantile,
-    allocator_seed,
+    allocator_seed, compression_seed (random_drop's subset; token compressors: random_drop | tome |
+    visionzip | flashvid compress the vanilla plan's merged tokens to round(R * N)),
     max_num_frames, min_pixels / max_pixels (one frame's base area in pixels), s_min / s_max
     (scale range), min_tokens_per_pair / max_tokens_per_pair, pair_reduction (mean | max | min),
     device, dtype, attn_implementation, strict (raise on a bad sample instead of recording it),
@@ -54,11 +56,12 @@ class ResAdaptQwen(lmms):
 
     is_simple = False
     adapter_cls: type[QwenVideoAdapter]
+    fixed_method: str | None = None  # set on the `<method>_<backbone>` classes
 
     def __init__(
         self,
         pretrained: str,
-        method: str = "vanilla",
+        method: str | None = None,
         retention: float | None = None,
         max_num_frames: int = 32,
         min_pixels: int | None = None,
@@ -77,6 +80,7 @@ class ResAdaptQwen(lmms):
         allocator_inference: str = "mean",
         allocator_quantile: float = 0.5,
         allocator_seed: int = 0,
+        compression_seed: int = 0,
         batch_size: int | str = 1,
         max_batch_size: int | None = None,
         **unknown,
@@ -84,6 +88,9 @@ class ResAdaptQwen(lmms):
         super().__init__()
         if unknown:
             raise ValueError(f"unknown model_args for {type(self).__name__}: {', '.join(sorted(unknown))}")
+        if self.fixed_method and method not in (None, self.fixed_method):
+            raise ValueError(f"{type(self).__name__} runs method={self.fixed_method}; use resadapt_<backbone> for method={method}")
+        method = method or self.fixed_method or "vanilla"
         if int(batch_size) != 1:
             raise ValueError("resadapt models run batch_size=1 (each sample has its own per-pair sizes)")
         from accelerate import Accelerator
@@ -113,6 +120,7 @@ class ResAdaptQwen(lmms):
             allocator_inference=allocator_inference,
             allocator_quantile=float(allocator_quantile),
             allocator_seed=int(allocator_seed),
+            compression_seed=int(compression_seed),
         )
         adapter = self.adapter_cls.from_pretrained(str(pretrained), device=device, dtype=dtype, attn_implementation=_none_or(attn_implementation, str))
         self.pipeline = VideoPipeline(adapter, config)
@@ -219,3 +227,19 @@ class ResAdaptQwen25VL(ResAdaptQwen):
 
 class ResAdaptQwen3VL(ResAdaptQwen):
     adapter_cls = Qwen3VLAdapter
+
+
+def _fixed_method_classes() -> dict[str, type]:
+    """`<method>_<backbone>` model classes (e.g. TomeQwen25VL), named as the manifest names them."""
+    bases = {"qwen25vl": ResAdaptQwen25VL, "qwen3vl": ResAdaptQwen3VL}
+    classes = {}
+    for method in METHOD_PREFIXES:
+        if method == "resadapt":
+            continue  # resadapt_<backbone> is the any-method class itself
+        for backbone, base in bases.items():
+            name = class_name(method, backbone)
+            classes[name] = type(name, (base,), {"fixed_method": method, "__module__": __name__, "__doc__": f"{base.__name__} with method={method}."})
+    return classes
+
+
+globals().update(_fixed_method_classes())

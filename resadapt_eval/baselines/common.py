@@ -1,0 +1,82 @@
+"""What every token compressor sees and returns.
+
+A compressor acts on the merged visual tokens (after the vision merger, before the LLM) of one
+video and returns an *assignment*: for each of the N tokens, the index of the token it is kept
+as or merged into. Kept tokens point at themselves; a group's features are the mean of its
+members (size-weighted, so repeated merging stays exact) and it sits at its destination's
+M-RoPE position. A dropped token has assignment -1.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+DROPPED = -1  # assignment value of a token that is removed outright
+
+
+@dataclass
+class VisualTokens:
+    """features: (N, D) merged tokens in LLM order; pair_sizes: tokens per frame pair (sum N);
+    grids: (t, h, w) merged grid per pair; received_attention: (N,) attention each token's
+    4 patches received in the last ViT block (mean over heads and queries), when computed."""
+
+    features: torch.Tensor
+    pair_sizes: list[int]
+    grids: list[tuple[int, int, int]]
+    received_attention: torch.Tensor | None = None
+
+    @property
+    def pair_starts(self) -> list[int]:
+        starts, total = [], 0
+        for size in self.pair_sizes:
+            starts.append(total)
+            total += size
+        return starts
+
+
+def kept_count(retention: float, num_tokens: int, num_pairs: int) -> int:
+    """Tokens to keep: round(R * N), at least one per pair, at most N."""
+    if not 0 < retention:
+        raise ValueError(f"retention must be positive, got {retention}")
+    return min(num_tokens, max(num_pairs, round(retention * num_tokens)))
+
+
+def per_pair_budget(pair_sizes: list[int], keep: int) -> list[int]:
+    """Split `keep` over pairs in proportion to their sizes (largest remainder), each in [1, size]."""
+    total = sum(pair_sizes)
+    quota = [keep * s / total for s in pair_sizes]
+    budget = [max(1, min(s, int(q))) for s, q in zip(pair_sizes, quota)]
+    order = sorted(range(len(pair_sizes)), key=lambda i: quota[i] - int(quota[i]), reverse=True)
+    while sum(budget) < keep:
+        for i in order:
+            if budget[i] < pair_sizes[i] and sum(budget) < keep:
+                budget[i] += 1
+    while sum(budget) > keep:
+        for i in reversed(order):
+            if budget[i] > 1 and sum(budget) > keep:
+                budget[i] -= 1
+    return budget
+
+
+def merge_groups(assignment: torch.Tensor, *features: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
+    """Destinations (sorted kept token indices), group sizes, and each feature tensor (N, D)
+    reduced to the mean over each group's members, (K, D)."""
+    members = assignment != DROPPED
+    destinations, inverse, sizes = torch.unique(assignment[members], return_inverse=True, return_counts=True)
+    merged = []
+    for f in features:
+        sums = torch.zeros(len(destinations), f.shape[1], dtype=torch.float32, device=f.device)
+        sums.index_add_(0, inverse, f[members].float())
+        merged.append((sums / sizes[:, None]).to(f.dtype))
+    return destinations, sizes, merged
+
+
+def check_assignment(assignment: torch.Tensor, keep: int, name: str) -> torch.Tensor:
+    dest = assignment[assignment != DROPPED]
+    if not bool((assignment[dest] == dest).all()):
+        raise AssertionError(f"{name}: a destination token is not kept as itself")
+    if len(torch.unique(dest)) != keep:
+        raise AssertionError(f"{name}: kept {len(torch.unique(dest))} tokens, budget {keep}")
+    return assignment
