@@ -1,17 +1,14 @@
-"""`resadapt-eval` command line: fixtures | demo | train."""
+"""`resadapt-eval` command line: fixtures | demo | sweep | tables | plots | train."""
 
 from __future__ import annotations
 
 import argparse
-import json
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 from .fixtures import ensure_fixtures, write_fixtures
 
-DEMO_METHODS = ("vanilla", "fixed_scale")
+ALL_METHODS = "vanilla,fixed_scale,random_drop,tome,visionzip,flashvid,resadapt"
 
 
 def cmd_fixtures(args) -> int:
@@ -21,64 +18,61 @@ def cmd_fixtures(args) -> int:
     return 0
 
 
-def lmms_eval_command(model: str, model_args: dict, tasks: str, include_path: str, output_path: Path, extra: list[str] = ()) -> list[str]:
-    """The `lmms-eval` command line for one run, as a list of arguments."""
-    arg_string = ",".join(f"{k}={v}" for k, v in model_args.items())
-    return [
-        sys.executable, "-m", "lmms_eval",
-        "--model", model, "--model_args", arg_string,
-        "--tasks", tasks, "--include_path", include_path,
-        "--output_path", str(output_path), "--log_samples", *extra,
-    ]  # fmt: skip
+def cmd_sweep(args) -> int:
+    from .sweep import load_card, plan_cells, run_sweep
+
+    card = load_card(args.card)
+    frames = [int(f) for f in args.frames.split(",")] if args.frames else card.frames
+    tasks = args.tasks.split(",") if args.tasks else card.tasks
+    cells = plan_cells(args.methods.split(","), [float(r) for r in args.retention.split(",")], frames)
+    records = run_sweep(card, cells, tasks, Path(args.output), launcher=args.launcher, limit=args.limit)
+    return 1 if any(r["status"] != "done" for r in records) else 0
 
 
-def read_run(output_path: Path, task: str) -> dict:
-    """Score, achieved R, visual tokens and seconds of one finished lmms-eval run under `output_path`."""
-    results = sorted(output_path.rglob("*_results.json"))
-    sidecars = sorted(output_path.rglob("resadapt_samples_*.jsonl"))
-    if not results or not sidecars:
-        raise FileNotFoundError(f"no lmms-eval results or resadapt sidecar under {output_path}")
-    scores = json.loads(results[-1].read_text())["results"][task]
-    score = next(v for k, v in scores.items() if k.endswith(",none") and "stderr" not in k)
-    records = [json.loads(line) for path in sidecars for line in path.read_text().splitlines()]
-    done = [r for r in records if r["error"] is None]
-    return dict(
-        score=score,
-        samples=len(records),
-        failed=len(records) - len(done),
-        retention=sum(r["achieved_retention"] for r in done) / max(len(done), 1),
-        visual_tokens=sum(r["visual_tokens"] for r in done),
-        seconds=sum(r["decode_s"] + r["preprocess_s"] + r["generate_s"] for r in records),
-    )
+def cmd_tables(args) -> int:
+    from .report.collect import collect
+    from .report.tables import build_tables, to_markdown, write_tables
+
+    runs = collect(args.run_dir)
+    if not runs:
+        print(f"no finished cells under {args.run_dir}", file=sys.stderr)
+        return 1
+    paper_dir = Path(args.paper_dir) if args.paper else None
+    tables = build_tables(runs, paper_dir)
+    out = Path(args.out) if args.out else Path(args.run_dir) / "tables"
+    write_tables(tables, out, with_paper=args.paper)
+    for table in tables:
+        print(to_markdown(table, with_paper=args.paper))
+    print(f"tables (md, tex, csv): {out}")
+    return 0
+
+
+def cmd_plots(args) -> int:
+    from .report.collect import collect
+    from .report.plots import write_plots
+
+    runs = collect(args.run_dir)
+    if not runs:
+        print(f"no finished cells under {args.run_dir}", file=sys.stderr)
+        return 1
+    out = Path(args.out) if args.out else Path(args.run_dir) / "plots"
+    written = write_plots(runs, out)
+    print(f"{len(written)} files (png, pdf): {out}")
+    return 0
 
 
 def cmd_demo(args) -> int:
     root = Path(args.repo).resolve()
+    ensure_fixtures(root / "fixtures")
     out = Path(args.out).resolve()
-    fixtures = ensure_fixtures(root / "fixtures")
-    rows = []
-    for method in DEMO_METHODS:
-        model_args = dict(pretrained=fixtures / "qwen25vl", method=method, max_num_frames=args.frames, device="cpu", dtype="float32")
-        if method != "vanilla":
-            model_args["retention"] = args.retention
-        run_dir = out / method
-        cmd = lmms_eval_command("resadapt_qwen25vl", model_args, "resadapt_smoke_videoqa", str(root / "tasks"), run_dir)
-        print(f"[demo] {method}: {' '.join(map(str, cmd[2:]))}", flush=True)
-        t0 = time.perf_counter()
-        proc = subprocess.run(cmd, cwd=root, capture_output=not args.verbose, text=True)
-        if proc.returncode != 0:
-            print(proc.stdout[-3000:] if proc.stdout else "", proc.stderr[-3000:] if proc.stderr else "", file=sys.stderr)
-            print(f"[demo] lmms-eval failed for {method} (exit {proc.returncode})", file=sys.stderr)
-            return proc.returncode
-        rows.append(dict(method=method, **read_run(run_dir, "resadapt_smoke_videoqa"), wall=time.perf_counter() - t0))
-    print()
-    print(f"{'method':<12} {'achieved R':>10} {'visual tokens':>13} {'accuracy':>8} {'model s':>8} {'wall s':>7}")
-    for r in rows:
-        print(f"{r['method']:<12} {r['retention']:>10.3f} {r['visual_tokens']:>13d} {r['score']:>8.1f} {r['seconds']:>8.2f} {r['wall']:>7.1f}")
-    print()
-    print("The tiny Qwen2.5-VL is random: its accuracy is noise. The token counts and R are exact.")
-    print(f"Outputs (lmms-eval results, samples, resadapt sidecars): {out}")
-    return 0
+    card = str(root / "model_cards" / "tiny-qwen25vl.yaml")
+    common = argparse.Namespace(run_dir=str(out), out=None, paper=False, paper_dir=str(root / "results" / "paper"))
+    status = cmd_sweep(argparse.Namespace(card=card, methods=args.methods, retention=args.retention, frames=None, tasks=None, output=str(out), launcher=None, limit=None))
+    cmd_tables(common)
+    cmd_plots(common)
+    print("The tiny Qwen2.5-VL is random: its accuracy is noise. Token counts and R are exact.")
+    print(f"Outputs: {out} (cells with lmms-eval results and resadapt sidecars, tables/, plots/)")
+    return status
 
 
 def cmd_train(args) -> int:
@@ -104,13 +98,33 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=cmd_fixtures)
 
-    p = sub.add_parser("demo", help="vanilla vs fixed_scale on the tiny offline Qwen2.5-VL through the lmms-eval CLI")
-    p.add_argument("--out", default="demo_out", help="output folder for the lmms-eval runs")
-    p.add_argument("--repo", default=".", help="repository root (holds tasks/ and fixtures/)")
-    p.add_argument("--retention", type=float, default=0.25, help="target retention R for fixed_scale")
-    p.add_argument("--frames", type=int, default=8, help="max_num_frames")
-    p.add_argument("--verbose", action="store_true", help="show lmms-eval's output")
+    p = sub.add_parser("demo", help="the whole pipeline on the tiny offline card: sweep, tables, plots")
+    p.add_argument("--out", default="demo_out", help="output folder (the sweep's run directory)")
+    p.add_argument("--repo", default=".", help="repository root (holds model_cards/, tasks/, fixtures/)")
+    p.add_argument("--methods", default=ALL_METHODS, help="comma-separated methods")
+    p.add_argument("--retention", default="0.5,0.25", help="comma-separated target retentions")
     p.set_defaults(func=cmd_demo)
+
+    p = sub.add_parser("sweep", help="run a (method x retention x frames) grid through lmms-eval, one process per cell, resumable")
+    p.add_argument("--card", required=True, help="model card YAML (model_cards/)")
+    p.add_argument("--methods", default=ALL_METHODS, help="comma-separated methods")
+    p.add_argument("--retention", default="0.25,0.1", help="comma-separated target retentions")
+    p.add_argument("--frames", default=None, help="comma-separated max_num_frames (default: the card's)")
+    p.add_argument("--tasks", default=None, help="comma-separated lmms-eval tasks (default: the card's)")
+    p.add_argument("--output", required=True, help="run directory (one folder per cell)")
+    p.add_argument("--launcher", default=None, help='e.g. "accelerate launch --num_processes 8" for data parallel')
+    p.add_argument("--limit", type=int, default=None, help="lmms-eval --limit (samples per task; for testing)")
+    p.set_defaults(func=cmd_sweep)
+
+    for name, func, help_text in (("tables", cmd_tables, "the paper's tables (md, tex, csv) from a run directory"),
+                                  ("plots", cmd_plots, "Pareto frontiers and scale plots (png, pdf) from a run directory")):  # fmt: skip
+        p = sub.add_parser(name, help=help_text)
+        p.add_argument("run_dir")
+        p.add_argument("--out", default=None, help=f"output folder (default: RUN_DIR/{name})")
+        if name == "tables":
+            p.add_argument("--paper", action="store_true", help="add the paper's numbers and deltas (results/paper/*.csv)")
+            p.add_argument("--paper-dir", default=str(Path(__file__).resolve().parents[1] / "results" / "paper"))
+        p.set_defaults(func=func)
 
     p = sub.add_parser("train", help="train the Allocator with CAPO (see resadapt_eval/train/config.py for the YAML)")
     p.add_argument("--config", required=True, help="training YAML")

@@ -1,0 +1,118 @@
+"""Read a sweep's run directory: per cell, lmms-eval's scores, our sidecars and per-sample outcomes."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ..sweep import CELL_FILE
+
+# task -> (metric key in lmms-eval's results, column name); column names match results/paper/*.csv.
+# Unknown tasks use their first metric, named after the task.
+TASK_METRICS = {
+    "videomme": [("videomme_perception_score", "videomme")],
+    "longvideobench_val_v": [("lvb_acc", "longvideobench")],
+    "mmvu_val": [("accuracy", "mmvu")],
+    "mlvu_dev": [("mlvu_percetion_score", "mlvu")],
+    "video_mmmu": [("mmmu_acc", "videommmu")],
+    "lvbench": [("lvbench_score", "lvbench")],
+    "temporal_grounding_charades": [
+        ("charades_sta_IOU@3", "charades_r0.3"), ("charades_sta_IOU@5", "charades_r0.5"),
+        ("charades_sta_IOU@7", "charades_r0.7"), ("charades_sta_mIOU", "charades_miou"),
+    ],  # fmt: skip
+    "mmmu_val": [("mmmu_acc", "mmmu_val")],
+    "ocrbench": [("ocrbench_accuracy", "ocrbench")],
+    "chartqa": [("relaxed_human_split", "chartqa")],
+    "ai2d": [("exact_match", "ai2d")],
+    "textvqa_val": [("exact_match", "textvqa_val")],
+}
+GROUNDING_TASKS = {"temporal_grounding_charades"}
+IMAGE_TASKS = {"mmmu_val", "ocrbench", "chartqa", "ai2d", "textvqa_val", "mathvista_testmini"}
+
+
+def table_of(task: str) -> str:
+    """Which paper table a task belongs to: temporal_grounding, image or video_qa (the default)."""
+    if task in GROUNDING_TASKS or "grounding" in task:
+        return "temporal_grounding"
+    if task in IMAGE_TASKS:
+        return "image"
+    return "video_qa"
+
+
+def task_scores(task: str, results: dict) -> dict[str, float]:
+    """Column name -> score for one task from lmms-eval's `results[task]`."""
+    found = {}
+    entries = TASK_METRICS.get(task)
+    if entries is None:  # a task we do not know: its first reported metric, named after the task
+        metric = next(k.split(",")[0] for k in results if "," in k and "stderr" not in k)
+        entries = [(metric, task)]
+    for metric, column in entries:
+        value = results.get(f"{metric},none")
+        if isinstance(value, (int, float)):
+            found[column] = float(value)
+    return found
+
+
+@dataclass
+class CellRun:
+    """One finished cell: its grid point, scores per column, and sidecar records per task."""
+
+    card: str
+    backbone: str
+    paper_backbone: str | None
+    method: str
+    retention: float | None
+    frames: int
+    path: Path
+    scores: dict[str, float] = field(default_factory=dict)  # column -> score
+    columns_by_table: dict[str, list[str]] = field(default_factory=dict)
+    records: list[dict] = field(default_factory=list)  # sidecar lines
+    outcomes: dict[tuple[str, int], float] = field(default_factory=dict)  # (task, doc_id) -> sample score
+
+    def achieved_retention(self, table: str | None = None) -> float | None:
+        """Mean sidecar R over the cell's successful samples (of one table's tasks)."""
+        rs = [r["achieved_retention"] for r in self.records if r["error"] is None and (table is None or table_of(r["task"]) == table)]
+        return sum(rs) / len(rs) if rs else None
+
+
+def sample_score(sample: dict, task_columns: list[str]) -> float | None:
+    """A logged sample's score: the first metric value that is a number or holds a `score`."""
+    for key, value in sample.items():
+        if key in ("doc_id", "doc", "target", "arguments", "resps", "filtered_resps", "token_counts", "doc_hash", "input", "input_media"):
+            continue
+        if isinstance(value, dict) and isinstance(value.get("score"), (int, float)):
+            return float(value["score"])
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+    return None
+
+
+def collect(run_dir: str | Path) -> list[CellRun]:
+    """Every `done` cell under `run_dir` (a sweep's --output)."""
+    runs = []
+    for cell_file in sorted(Path(run_dir).glob(f"*/{CELL_FILE}")):
+        meta = json.loads(cell_file.read_text())
+        if meta.get("status") != "done":
+            continue
+        cell_dir = cell_file.parent
+        results = json.loads((cell_dir / meta["results"]).read_text())
+        run = CellRun(card=meta["card"], backbone=meta["backbone"], paper_backbone=meta.get("paper_backbone"), method=meta["method"],
+                      retention=meta["retention"], frames=meta["frames"], path=cell_dir)  # fmt: skip
+        for task, values in results["results"].items():
+            scores = task_scores(task, values)
+            run.scores.update(scores)
+            run.columns_by_table.setdefault(table_of(task), []).extend(scores)
+        for sidecar in sorted(cell_dir.rglob("resadapt_samples_*.jsonl")):
+            run.records += [json.loads(line) for line in sidecar.read_text().splitlines() if line.strip()]
+        for samples in sorted(cell_dir.rglob("*_samples_*.jsonl")):
+            if samples.name.startswith("resadapt_samples_"):
+                continue
+            task = samples.stem.split("_samples_", 1)[1]
+            for line in samples.read_text().splitlines():
+                sample = json.loads(line)
+                score = sample_score(sample, list(run.scores))
+                if score is not None:
+                    run.outcomes[(task, int(sample["doc_id"]))] = score
+        runs.append(run)
+    return runs

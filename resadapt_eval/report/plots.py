@@ -1,0 +1,120 @@
+"""Figures from a sweep: Pareto frontiers (score vs achieved R, one line per method, per task and
+frame count), per-frame scale profiles of sample videos, the case-by-frame scale heatmap, and the
+per-video Gini of scales for correct vs incorrect answers. PNG and PDF."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
+
+from ..train.trainer import gini  # noqa: E402
+from .collect import CellRun  # noqa: E402
+from .tables import METHOD_NAMES, METHOD_ORDER  # noqa: E402
+
+
+def _save(fig, out: Path, stem: str) -> list[Path]:
+    paths = [out / f"{stem}.png", out / f"{stem}.pdf"]
+    fig.tight_layout()
+    for p in paths:
+        fig.savefig(p, dpi=150)
+    plt.close(fig)
+    return paths
+
+
+def pareto_lines(runs: list[CellRun], column: str, frames: int) -> dict[str, list[tuple[float, float]]]:
+    """method -> (achieved R, score) points sorted by R, for one score column and frame count."""
+    lines = {}
+    for method in METHOD_ORDER:
+        points = sorted((r.achieved_retention(), r.scores[column]) for r in runs if r.method == method and r.frames == frames and column in r.scores and r.achieved_retention() is not None)
+        if points:
+            lines[method] = points
+    return lines
+
+
+def pareto(runs: list[CellRun], out: Path) -> list[Path]:
+    """One figure per (column, frames): score vs achieved R, a line per method."""
+    written = []
+    columns = list(dict.fromkeys(c for r in runs for c in r.scores))
+    for col in columns:
+        for frames in sorted({r.frames for r in runs}):
+            fig, ax = plt.subplots(figsize=(6, 4.2))
+            for method, points in pareto_lines(runs, col, frames).items():
+                xs, ys = zip(*points)
+                ax.plot(xs, ys, marker="o", linewidth=1.8, label=METHOD_NAMES[method])
+            ax.set_xlabel("achieved retention R (visual tokens / vanilla)")
+            ax.set_ylabel(col)
+            ax.set_title(f"{col}, {frames} frames")
+            ax.grid(alpha=0.3)
+            ax.legend(frameon=False, fontsize=9)
+            written += _save(fig, out, f"pareto_{col}_f{frames}")
+    return written
+
+
+def _scale_runs(runs: list[CellRun]) -> list[CellRun]:
+    """Cells whose per-frame scales vary within videos (an Allocator's)."""
+    return [r for r in runs if any(len(set(rec["scales"])) > 1 for rec in r.records if rec["error"] is None)]
+
+
+def scale_profiles(runs: list[CellRun], out: Path, videos: int = 6) -> list[Path]:
+    written = []
+    for run in _scale_runs(runs):
+        records = [rec for rec in run.records if rec["error"] is None][:videos]
+        fig, ax = plt.subplots(figsize=(6.5, 4))
+        for rec in records:
+            ax.plot(range(len(rec["scales"])), rec["scales"], marker=".", label=f"{rec['task']} #{rec['doc_id']}")
+        ax.set_xlabel("frame index")
+        ax.set_ylabel("scale $s_t$")
+        ax.set_title(f"per-frame scales: {run.path.name}")
+        ax.grid(alpha=0.3)
+        ax.legend(frameon=False, fontsize=7, ncol=2)
+        written += _save(fig, out, f"scales_{run.path.name}")
+    return written
+
+
+def scale_heatmap(runs: list[CellRun], out: Path, cases: int = 200) -> list[Path]:
+    written = []
+    for run in _scale_runs(runs):
+        rows = [rec["scales"] for rec in run.records if rec["error"] is None][:cases]
+        width = max(len(r) for r in rows)
+        grid = np.full((len(rows), width), np.nan)
+        for i, r in enumerate(rows):
+            grid[i, : len(r)] = r
+        fig, ax = plt.subplots(figsize=(6.5, max(2.5, 0.12 * len(rows) + 1.5)))
+        image = ax.imshow(grid, aspect="auto", cmap="viridis", interpolation="nearest")
+        fig.colorbar(image, ax=ax, label="scale $s_t$")
+        ax.set_xlabel("frame index")
+        ax.set_ylabel("case")
+        ax.set_title(f"case x frame scales: {run.path.name}")
+        written += _save(fig, out, f"heatmap_{run.path.name}")
+    return written
+
+
+def gini_by_outcome(runs: list[CellRun], out: Path) -> list[Path]:
+    """Per-video Gini of scales, split by whether the answer was scored correct (score >= 0.5)."""
+    written = []
+    for run in _scale_runs(runs):
+        split = {"correct": [], "incorrect": []}
+        for rec in run.records:
+            score = run.outcomes.get((rec["task"], rec["doc_id"]))
+            if rec["error"] is None and score is not None:
+                split["correct" if score >= 0.5 else "incorrect"].append(gini(rec["scales"]))
+        if not any(split.values()):
+            continue
+        fig, ax = plt.subplots(figsize=(4.5, 4))
+        labels = [f"{k} (n={len(v)})" for k, v in split.items()]
+        ax.boxplot([v if v else [np.nan] for v in split.values()], tick_labels=labels)
+        ax.set_ylabel("Gini of per-frame scales")
+        ax.set_title(f"scale inequality by outcome: {run.path.name}", fontsize=9)
+        ax.grid(alpha=0.3, axis="y")
+        written += _save(fig, out, f"gini_{run.path.name}")
+    return written
+
+
+def write_plots(runs: list[CellRun], out: Path) -> list[Path]:
+    out.mkdir(parents=True, exist_ok=True)
+    return pareto(runs, out) + scale_profiles(runs, out) + scale_heatmap(runs, out) + gini_by_outcome(runs, out)

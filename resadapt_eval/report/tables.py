@@ -1,0 +1,190 @@
+"""The paper's tables from a sweep: video QA (Table 1), temporal grounding (Table 2), image
+transfer; Markdown, LaTeX (booktabs) and CSV, achieved R on every row, best of each group in bold.
+
+Rows are (card, frames, method, target R); a group is the rows sharing card, frames and target R
+(vanilla is its own group). `paper=True` adds, for every score, the paper's number for the same
+backbone, frames, method and nearest retention, and our delta to it.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .collect import CellRun
+
+TABLES = {"video_qa": "Video QA", "temporal_grounding": "Temporal grounding", "image": "Image transfer"}
+METHOD_NAMES = {
+    "vanilla": "Vanilla", "fixed_scale": "FixedScale", "resadapt": "ResAdapt", "random_drop": "Random Drop",
+    "tome": "ToMe", "visionzip": "VisionZip", "flashvid": "FlashVid",
+}  # fmt: skip
+METHOD_ORDER = list(METHOD_NAMES)
+PAPER_R_TOLERANCE = 5.0  # percentage points between our target R and the paper row's R
+
+
+@dataclass
+class Table:
+    name: str
+    title: str
+    columns: list[str]
+    rows: list[dict] = field(default_factory=list)  # card, frames, method, target, R, <column>: score, paper_<column>
+
+    def groups(self) -> dict[tuple, list[dict]]:
+        out: dict[tuple, list[dict]] = {}
+        for row in self.rows:
+            out.setdefault((row["card"], row["frames"], row["target"]), []).append(row)
+        return out
+
+    def best(self) -> set[tuple[int, str]]:
+        """(row index, column) of the best score of each column within each group of 2+ rows."""
+        marks = set()
+        for rows in self.groups().values():
+            if len(rows) < 2:
+                continue
+            for col in self.columns:
+                values = [r[col] for r in rows if r.get(col) is not None]
+                if values:
+                    top = max(values)
+                    marks |= {(self.rows.index(r), col) for r in rows if r.get(col) == top}
+        return marks
+
+
+def build_tables(runs: list[CellRun], paper_dir: Path | None = None) -> list[Table]:
+    tables = []
+    for name, title in TABLES.items():
+        columns = list(dict.fromkeys(c for run in runs for c in run.columns_by_table.get(name, [])))
+        if not columns:
+            continue
+        table = Table(name, title, columns)
+        ordered = sorted(
+            (r for r in runs if name in r.columns_by_table),
+            key=lambda r: (r.card, r.frames, -(r.retention if r.retention is not None else 2.0), METHOD_ORDER.index(r.method)),
+        )
+        paper = read_paper(paper_dir / f"{name}.csv") if paper_dir else []
+        for run in ordered:
+            row = dict(card=run.card, frames=run.frames, method=METHOD_NAMES[run.method], target=run.retention, R=run.achieved_retention(name))
+            row.update({c: run.scores.get(c) for c in columns})
+            if paper_dir:
+                match = paper_row(paper, run)
+                row.update({f"paper_{c}": _number(match.get(c)) if match else None for c in columns})
+                row["paper_R"] = _number(match.get("retention")) if match else None
+            table.rows.append(row)
+        tables.append(table)
+    return tables
+
+
+def read_paper(path: Path) -> list[dict]:
+    if not path.is_file():
+        return []
+    with open(path, newline="") as f:
+        return list(csv.DictReader(f))
+
+
+def paper_row(rows: list[dict], run: CellRun) -> dict | None:
+    """The paper's row for the run's backbone, frames and method, with the nearest retention.
+    Tables without a frames or retention column (image transfer) match on the rest."""
+    if not run.paper_backbone:
+        return None
+    target = 100.0 if run.retention is None else 100 * run.retention
+
+    def gap(r):
+        return abs(_number(r["retention"]) - target) if _number(r.get("retention")) is not None else 0.0
+
+    candidates = [
+        r for r in rows
+        if r.get("backbone") == run.paper_backbone and r.get("method") == METHOD_NAMES[run.method]
+        and ("frames" not in r or str(r["frames"]) == str(run.frames)) and gap(r) <= PAPER_R_TOLERANCE
+    ]  # fmt: skip
+    return min(candidates, key=gap, default=None)
+
+
+def _number(value) -> float | None:
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        return None
+
+
+def _fmt(value, digits=1) -> str:
+    return "—" if value is None else f"{value:.{digits}f}"
+
+
+def _cells(table: Table, row: dict, with_paper: bool) -> list[str]:
+    """Display cells of one row (without bold)."""
+    out = [row["card"], str(row["frames"]), row["method"], _fmt(None if row["R"] is None else 100 * row["R"]) + "%"]
+    for col in table.columns:
+        out.append(_fmt(row[col]))
+        if with_paper:
+            paper = row.get(f"paper_{col}")
+            out += [_fmt(paper), "—" if paper is None or row[col] is None else f"{row[col] - paper:+.1f}"]
+    return out
+
+
+def _header(table: Table, with_paper: bool) -> list[str]:
+    head = ["card", "frames", "method", "R"]
+    for col in table.columns:
+        head += [col, f"{col} (paper)", f"{col} Δ"] if with_paper else [col]
+    return head
+
+
+def _score_index(table: Table, col: str, with_paper: bool) -> int:
+    return 4 + table.columns.index(col) * (3 if with_paper else 1)
+
+
+def to_markdown(table: Table, with_paper: bool = False) -> str:
+    best = table.best()
+    lines = [f"### {table.title}", "", "| " + " | ".join(_header(table, with_paper)) + " |", "|" + "---|" * len(_header(table, with_paper))]
+    for i, row in enumerate(table.rows):
+        cells = _cells(table, row, with_paper)
+        for col in table.columns:
+            if (i, col) in best:
+                j = _score_index(table, col, with_paper)
+                cells[j] = f"**{cells[j]}**"
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def to_latex(table: Table, with_paper: bool = False) -> str:
+    best = table.best()
+    head = _header(table, with_paper)
+    esc = lambda s: s.replace("%", r"\%").replace("_", r"\_").replace("Δ", r"$\Delta$").replace("—", "--")  # noqa: E731
+    lines = [r"\begin{tabular}{lll" + "c" * (len(head) - 3) + "}", r"\toprule", " & ".join(esc(h) for h in head) + r" \\", r"\midrule"]
+    last_group = None
+    for i, row in enumerate(table.rows):
+        group = (row["card"], row["frames"], row["target"])
+        if last_group is not None and group != last_group:
+            lines.append(r"\midrule" if group[:2] != last_group[:2] else r"\cmidrule{3-" + str(len(head)) + "}")
+        last_group = group
+        cells = [esc(c) for c in _cells(table, row, with_paper)]
+        for col in table.columns:
+            if (i, col) in best:
+                j = _score_index(table, col, with_paper)
+                cells[j] = rf"\textbf{{{cells[j]}}}"
+        lines.append(" & ".join(cells) + r" \\")
+    lines += [r"\bottomrule", r"\end{tabular}"]
+    return "\n".join(lines) + "\n"
+
+
+def to_csv(table: Table, with_paper: bool = False) -> str:
+    """Machine-readable: full-precision scores, R as a fraction, the target, the paper columns."""
+    fields = ["card", "frames", "method", "target", "R", *table.columns]
+    if with_paper:
+        fields += ["paper_R", *[f"paper_{c}" for c in table.columns]]
+    buffer = io.StringIO()
+    writer = csv.DictWriter(buffer, fieldnames=fields, extrasaction="ignore")
+    writer.writeheader()
+    writer.writerows(table.rows)
+    return buffer.getvalue()
+
+
+def write_tables(tables: list[Table], out: Path, with_paper: bool = False) -> list[Path]:
+    out.mkdir(parents=True, exist_ok=True)
+    written = []
+    for table in tables:
+        for suffix, render in (("md", to_markdown), ("tex", to_latex), ("csv", to_csv)):
+            path = out / f"{table.name}.{suffix}"
+            path.write_text(render(table, with_paper))
+            written.append(path)
+    return written

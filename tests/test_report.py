@@ -1,0 +1,139 @@
+"""Sweeps (resume, failures), tables and plots from real lmms-eval output of the tiny model."""
+
+import json
+import subprocess
+import sys
+import time
+
+import pytest
+import yaml
+
+from resadapt_eval.report.collect import collect
+from resadapt_eval.report.plots import pareto_lines, write_plots
+from resadapt_eval.report.tables import build_tables, to_latex, to_markdown
+
+from .conftest import REPO
+
+CARD = REPO / "model_cards" / "tiny-qwen25vl.yaml"
+
+
+def sweep_cmd(output, methods, retention="0.25", limit=3, card=CARD):
+    return [sys.executable, "-m", "resadapt_eval.cli", "sweep", "--card", str(card), "--methods", methods,
+            "--retention", retention, "--output", str(output), "--limit", str(limit)]  # fmt: skip
+
+
+@pytest.fixture(scope="session")
+def run_dir(fixtures_dir, tmp_path_factory):
+    out = tmp_path_factory.mktemp("sweep")
+    proc = subprocess.run(sweep_cmd(out, "vanilla,fixed_scale,resadapt", retention="0.5,0.25", limit=4), cwd=REPO, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return out
+
+
+def test_sweep_cells_and_records(run_dir):
+    cells = sorted(p.parent.name for p in run_dir.glob("*/cell.json"))
+    assert cells == ["fixed_scale-r0.25-f8", "fixed_scale-r0.5-f8", "resadapt-r0.25-f8", "resadapt-r0.5-f8", "vanilla-f8"]
+    for name in cells:
+        meta = json.loads((run_dir / name / "cell.json").read_text())
+        assert meta["status"] == "done" and meta["error"] is None
+        assert (run_dir / name / meta["results"]).is_file()
+
+
+def test_every_table_cell_equals_the_results_json_and_r_the_sidecar_mean(run_dir):
+    runs = collect(run_dir)
+    (table,) = build_tables(runs)
+    assert table.name == "video_qa" and table.columns == ["resadapt_smoke_videoqa"]
+    assert len(table.rows) == 5
+    for row in table.rows:
+        cell = "vanilla-f8" if row["target"] is None else f"{ {'Vanilla': 'vanilla', 'FixedScale': 'fixed_scale', 'ResAdapt': 'resadapt'}[row['method']] }-r{row['target']:g}-f8"
+        meta = json.loads((run_dir / cell / "cell.json").read_text())
+        results = json.loads((run_dir / cell / meta["results"]).read_text())
+        assert row["resadapt_smoke_videoqa"] == results["results"]["resadapt_smoke_videoqa"]["videomme_perception_score,none"]
+        records = [json.loads(line) for p in (run_dir / cell).rglob("resadapt_samples_*.jsonl") for line in p.read_text().splitlines()]
+        assert len(records) == 4
+        assert row["R"] == pytest.approx(sum(r["achieved_retention"] for r in records) / len(records))
+        if row["target"] is not None:
+            assert row["R"] <= row["target"]
+    markdown, latex = to_markdown(table), to_latex(table)
+    assert markdown.count("\n| ") == 1 + 5  # header + rows
+    assert r"\toprule" in latex and r"\bottomrule" in latex and latex.count(r"\\") == 1 + 5
+    # the CLI writes md, tex and csv
+    proc = subprocess.run([sys.executable, "-m", "resadapt_eval.cli", "tables", str(run_dir), "--paper"], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert {p.name for p in (run_dir / "tables").iterdir()} == {"video_qa.md", "video_qa.tex", "video_qa.csv"}
+    assert "resadapt_smoke_videoqa (paper)" in proc.stdout  # the tiny card has no paper rows: the columns show —
+
+
+def test_best_of_each_group_is_bold():
+    from resadapt_eval.report.tables import Table
+
+    table = Table("video_qa", "Video QA", ["a"], rows=[
+        dict(card="c", frames=8, method="FixedScale", target=0.25, R=0.24, a=50.0),
+        dict(card="c", frames=8, method="ResAdapt", target=0.25, R=0.23, a=60.0),
+        dict(card="c", frames=8, method="Vanilla", target=None, R=1.0, a=70.0),
+    ])  # fmt: skip
+    assert table.best() == {(1, "a")}  # vanilla is alone in its group
+    assert "**60.0**" in to_markdown(table) and r"\textbf{60.0}" in to_latex(table)
+
+
+def test_plots_one_pareto_line_per_method(run_dir, tmp_path):
+    runs = collect(run_dir)
+    lines = pareto_lines(runs, "resadapt_smoke_videoqa", 8)
+    assert sorted(lines) == ["fixed_scale", "resadapt", "vanilla"]
+    assert len(lines["fixed_scale"]) == 2 and len(lines["vanilla"]) == 1
+    assert all(xs == sorted(xs) for xs in ([x for x, _ in pts] for pts in lines.values()))
+    written = write_plots(runs, tmp_path)
+    names = {p.name for p in written}
+    assert {"pareto_resadapt_smoke_videoqa_f8.png", "pareto_resadapt_smoke_videoqa_f8.pdf"} <= names
+    assert any(n.startswith("scales_resadapt") for n in names) and any(n.startswith("heatmap_resadapt") for n in names)
+    assert all(p.stat().st_size > 1000 for p in written)
+
+
+def test_killed_sweep_reruns_only_unfinished_cells(fixtures_dir, tmp_path):
+    cmd = sweep_cmd(tmp_path, "vanilla,fixed_scale,random_drop", limit=2)
+    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    first = tmp_path / "vanilla-f8" / "cell.json"
+    deadline = time.time() + 300
+    while not first.exists() and time.time() < deadline:
+        time.sleep(0.5)
+    proc.kill()
+    proc.wait()
+    assert first.exists()
+    finished = {p.parent.name: p.stat().st_mtime for p in tmp_path.glob("*/cell.json")}
+    assert len(finished) < 3
+    rerun = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert rerun.returncode == 0, rerun.stdout[-2000:]
+    assert f"{len(finished)} already done, {3 - len(finished)} to run" in rerun.stdout
+    for name, mtime in finished.items():
+        assert (tmp_path / name / "cell.json").stat().st_mtime == mtime  # not run again
+    assert all(json.loads(p.read_text())["status"] == "done" for p in tmp_path.glob("*/cell.json"))
+    assert len(list(tmp_path.glob("*/cell.json"))) == 3
+
+
+def test_a_failing_cell_is_recorded_and_the_sweep_goes_on(fixtures_dir, tmp_path):
+    card = yaml.safe_load(CARD.read_text())
+    card.update(pretrained=str(tmp_path / "no-such-model"), include_path=str(REPO / "tasks"))
+    bad_card = tmp_path / "bad.yaml"
+    bad_card.write_text(yaml.safe_dump(card))
+    proc = subprocess.run(sweep_cmd(tmp_path / "run", "vanilla", limit=1, card=bad_card), cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 1
+    meta = json.loads((tmp_path / "run" / "vanilla-f8" / "cell.json").read_text())
+    assert meta["status"] == "failed" and "no-such-model" in meta["error"]
+    assert "failed cells" in proc.stdout
+
+
+def test_paper_numbers_sit_beside_ours_with_deltas(tmp_path):
+    from resadapt_eval.report.collect import CellRun
+    from resadapt_eval.report.tables import paper_row, read_paper
+
+    rows = read_paper(REPO / "results" / "paper" / "video_qa.csv")
+    run = CellRun(card="qwen25vl-7b-32f", backbone="qwen25vl", paper_backbone="Qwen2.5-VL-7B", method="random_drop", retention=0.25, frames=32, path=tmp_path,
+                  scores={"videomme": 60.0}, columns_by_table={"video_qa": ["videomme"]},
+                  records=[dict(task="videomme", error=None, achieved_retention=0.25)])  # fmt: skip
+    assert paper_row(rows, run)["videomme"] == "58.9"
+    # the nearest retention wins: FixedScale at a 0.10 target is the paper's 12.3% row
+    fixed = CellRun(**{**run.__dict__, "method": "fixed_scale", "retention": 0.10})
+    assert paper_row(rows, fixed)["retention"] == "12.3"
+    (table,) = build_tables([run], REPO / "results" / "paper")
+    assert table.rows[0]["paper_videomme"] == 58.9
+    assert "| 60.0 | 58.9 | +1.1 |" in to_markdown(table, with_paper=True)
