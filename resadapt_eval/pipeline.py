@@ -8,9 +8,12 @@ from __future__ import annotations
 import time
 from dataclasses import asdict, dataclass, field
 
+import numpy as np
+
 from .backbones.qwen import QwenVideoAdapter
-from .budget.plan import ResizePlan, base_size, plan_from_scales
+from .budget.plan import ResizePlan, base_size, plan_from_scales, project_to_retention
 from .budget.policies import POLICIES, BudgetSpec
+from .budget.selection import OPERATORS, select_frames
 from .video import DecodedVideo, decode_video
 
 COMPRESSION_METHODS = ("random_drop", "tome", "visionzip", "flashvid")  # vanilla plan, then compress tokens
@@ -25,7 +28,10 @@ class SampleRecord:
     that entered the LLM; reference_tokens: the vanilla plan's tokens for the same frames;
     achieved_retention = visual_tokens / reference_tokens; raw_scales: an Allocator's scales before
     projection to the target R; merged_sizes: for token compressors, how many original tokens each
-    kept token stands for (sums to the vanilla count for merging methods). Seconds: decode_s (video decode), allocator_{text,visual,predict}_s
+    kept token stands for (sums to the vanilla count for merging methods). Frame selection:
+    candidates (frames scored), frame_indices (the kept ones), reference_tokens (the candidates'
+    vanilla tokens, so R is against vanilla at the candidate count, as the paper reports it);
+    frame_budget: visual tokens in full-resolution-frame equivalents (every method). Seconds: decode_s (video decode), allocator_{text,visual,predict}_s
     (Allocator stages; predict includes the projection), scale_apply_s (resizing frames to the plan),
     preprocess_s (planning and building the model inputs, resize included), generate_s.
     """
@@ -46,6 +52,8 @@ class SampleRecord:
     target_retention: float | None = None
     raw_scales: list[float] | None = None
     merged_sizes: list[int] | None = None
+    candidates: int | None = None
+    frame_budget: float | None = None
     input_tokens: int = 0
     output_tokens: int = 0
     decode_s: float = 0.0
@@ -75,8 +83,16 @@ class VideoPipelineConfig:
     allocator_quantile: float = 0.5
     allocator_seed: int = 0
     compression_seed: int = 0
+    operator: str = "resize"
+    candidates: int = 128
+    top_k: int | None = 32
+    score_threshold: float | None = None
 
     def __post_init__(self):
+        if self.operator not in OPERATORS:
+            raise ValueError(f"operator must be one of {OPERATORS}, got {self.operator!r}")
+        if self.operator != "resize" and self.method != "resadapt":
+            raise ValueError(f"operator={self.operator} ranks frames by the Allocator's scales: it needs method=resadapt")
         if self.method not in METHODS:
             raise ValueError(f"unknown method {self.method!r}; available: {', '.join(METHODS)}")
         if self.allocator is not None and self.method != "resadapt":
@@ -108,11 +124,36 @@ class VideoPipeline:
         self.min_pixels = config.min_pixels if config.min_pixels is not None else 4 * px * px
         self.max_pixels = config.max_pixels if config.max_pixels is not None else 768 * px * px
 
+    def base_hw(self, video: DecodedVideo) -> tuple[int, int]:
+        """Base (vanilla) size of the video's frames in pixels."""
+        return base_size(*video.frames.shape[1:3], self.adapter.grid, self.min_pixels, self.max_pixels)
+
+    def select(self, video: DecodedVideo, query: str, context: dict) -> tuple[DecodedVideo, ResizePlan, int]:
+        """Frame selection: the Allocator scores every candidate frame, the best are kept in time
+        order (`select`: at the base size; `select_resize`: at their Allocator scales, projected
+        so the tokens stay within `retention` x the candidates' vanilla tokens). Returns the kept
+        frames, their plan, and the candidates' vanilla tokens (the reference for R)."""
+        cfg, grid = self.config, self.adapter.grid
+        raw = self.policy.raw_scales(video.frames, query, context.setdefault("timings", {}))
+        context["raw_scales"] = raw
+        kept = video.subset(select_frames(raw, cfg.top_k, cfg.score_threshold))
+        positions = [video.indices.index(i) for i in kept.indices]
+        base = self.base_hw(video)
+        reference = plan_from_scales(np.ones(len(video.indices)), base, grid, **cfg.budget.plan_bounds).reference_tokens
+        if cfg.operator == "select":
+            scales = np.ones(len(positions))
+        else:
+            scales = np.clip(raw[positions], cfg.budget.s_min, cfg.budget.s_max)
+            if cfg.budget.retention is not None:
+                kept_reference = plan_from_scales(np.ones(len(positions)), base, grid, **cfg.budget.plan_bounds).reference_tokens
+                target = cfg.budget.retention * reference / kept_reference
+                scales = project_to_retention(raw[positions], target, base, grid, cfg.budget.s_min, cfg.budget.s_max, **cfg.budget.plan_bounds)
+        return kept, plan_from_scales(scales, base, grid, **cfg.budget.plan_bounds), reference
+
     def plan(self, video: DecodedVideo, query: str = "", context: dict | None = None) -> ResizePlan:
         """The resize plan this pipeline's method gives `video`. Policies may leave timings and
         raw scales in `context`."""
-        height, width = video.frames.shape[1:3]
-        base_hw = base_size(height, width, self.adapter.grid, self.min_pixels, self.max_pixels)
+        base_hw = self.base_hw(video)
         context = context if context is not None else {}
         context.update(video=video, query=query)
         scales = self.policy(len(video.indices), base_hw, self.adapter.grid, self.config.budget, context)
@@ -127,22 +168,28 @@ class VideoPipeline:
         record.video = str(video_path)
         record.target_retention = self.config.budget.retention
 
+        selecting = self.config.operator != "resize"
         t0 = time.perf_counter()
-        video = decode_video(video_path, self.config.max_num_frames)
+        video = decode_video(video_path, self.config.candidates if selecting else self.config.max_num_frames)
         record.decode_s = time.perf_counter() - t0
-        record.num_frames = len(video.indices)
-        record.frame_indices = video.indices
 
         t0 = time.perf_counter()
         context = {"timings": {}}
-        plan = self.plan(video, query, context)
+        if selecting:
+            record.candidates = len(video.indices)
+            video, plan, reference = self.select(video, query, context)
+        else:
+            plan = self.plan(video, query, context)
+            reference = plan.reference_tokens
+        record.num_frames = len(video.indices)
+        record.frame_indices = video.indices
         if "raw_scales" in context:
             record.raw_scales = [round(float(s), 6) for s in context["raw_scales"]]
         record.base_size = list(plan.base_hw)
         record.scales = [round(s, 6) for s in plan.frame_scales]
         record.pair_sizes = [list(hw) for hw in plan.pair_sizes]
         record.grids = [list(g) for g in plan.grids]
-        record.reference_tokens = plan.reference_tokens
+        record.reference_tokens = reference
         if self.config.method in COMPRESSION_METHODS:
             from .baselines import COMPRESSORS, NEEDS_ATTENTION
 
@@ -160,6 +207,7 @@ class VideoPipeline:
         # Tokens that actually enter the LLM: the video placeholders of the built prompt.
         record.visual_tokens = int((inputs["input_ids"] == self.adapter.processor.video_token_id).sum())
         record.achieved_retention = record.visual_tokens / record.reference_tokens
+        record.frame_budget = record.visual_tokens / (self.adapter.grid.tokens(*plan.base_hw) / self.adapter.grid.temporal_patch)
         record.input_tokens = int(inputs["input_ids"].shape[1])
 
         t0 = time.perf_counter()

@@ -21,12 +21,19 @@ class DecodedVideo:
     frames: uint8 array (T, H, W, 3) in pixels at the file's resolution.
     indices: the frame index of each decoded frame in the file.
     total_frames: frames in the file; fps: the file's frame rate (frames per second).
+    uniform: the frames are uniformly spaced (False after frame selection).
     """
 
     frames: np.ndarray
     indices: list[int]
     total_frames: int
     fps: float
+    uniform: bool = True
+
+    def subset(self, keep: list[int]) -> "DecodedVideo":
+        """The frames at positions `keep` (sorted into time order), no longer uniformly spaced."""
+        keep = sorted(keep)
+        return DecodedVideo(frames=self.frames[keep], indices=[self.indices[i] for i in keep], total_frames=self.total_frames, fps=self.fps, uniform=False)
 
     @property
     def sampled_fps(self) -> float:

@@ -141,3 +141,19 @@ def test_token_compressors_run_through_the_cli_at_exact_budgets(fixtures_dir, tm
         assert r["error"] is None and r["method"] == method
         assert abs(r["achieved_retention"] - 0.1) <= 0.01
         assert r["visual_tokens"] == len(r["merged_sizes"]) == max(len(r["grids"]), round(0.1 * r["reference_tokens"]))
+
+
+def test_frame_selection_runs_through_the_cli_with_the_frame_budget(fixtures_dir, tmp_path):
+    model_args = dict(pretrained=fixtures_dir / "qwen25vl", method="resadapt", operator="select_resize", candidates=32, top_k=8, device="cpu")
+    proc = run_lmms_eval("resadapt_qwen25vl", model_args, tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for r in sidecar_records(tmp_path):
+        assert r["error"] is None and r["candidates"] == 32 and len(r["frame_indices"]) == 8
+        assert r["frame_indices"] == sorted(r["frame_indices"]) and len(r["raw_scales"]) == 32
+        # R is against vanilla at the candidate count; the frame budget is in full-frame equivalents
+        # the candidates' vanilla plan: 16 pairs at the base size
+        h, w = r["base_size"]
+        assert r["reference_tokens"] == 16 * (h // 28) * (w // 28)
+        tokens_per_frame = r["reference_tokens"] / 32
+        assert r["frame_budget"] == pytest.approx(r["visual_tokens"] / tokens_per_frame)
+        assert r["achieved_retention"] == pytest.approx(r["visual_tokens"] / r["reference_tokens"])

@@ -97,12 +97,12 @@ class QwenVideoAdapter:
         inputs = inputs.to(self.device)
         if "pixel_values_videos" in inputs:
             inputs["pixel_values_videos"] = inputs["pixel_values_videos"].to(self.model.dtype)
-        positions = self.position_ids(inputs, plan)
+        positions = self.position_ids(inputs, plan, video)
         if positions is not None:
             inputs["position_ids"] = positions
         return dict(inputs)
 
-    def position_ids(self, inputs, plan: ResizePlan) -> torch.Tensor | None:
+    def position_ids(self, inputs, plan: ResizePlan, video: DecodedVideo) -> torch.Tensor | None:
         """Explicit M-RoPE positions (3, 1, L), or None where the stock rope is already right."""
         return None
 
@@ -243,12 +243,14 @@ class Qwen25VLAdapter(QwenVideoAdapter):
         # second_per_grid_ts equals the stock single-video value (2 / sampled_fps).
         return [VideoMetadata(total_num_frames=2, fps=video.sampled_fps, frames_indices=[0, 1]) for _ in plan.pair_sizes]
 
-    def position_ids(self, inputs, plan: ResizePlan) -> torch.Tensor:
+    def position_ids(self, inputs, plan: ResizePlan, video: DecodedVideo) -> torch.Tensor:
         """Stock Qwen2.5-VL M-RoPE generalised to one grid per pair.
 
         Text before the video: 0..s-1 on all three axes. Pair k: t = s + floor(k * tokens_per_second
-        * second_per_grid_ts), h/w = s + row/col of its own merged grid. Text after the video
-        continues from s + max_k max(h_k, w_k), which is the stock rule when all pairs are equal.
+        * second_per_grid_ts) for uniformly spaced frames (the stock value), or s +
+        floor(tokens_per_second * seconds from the first frame to pair k's first frame) after frame
+        selection; h/w = s + row/col of its own merged grid. Text after the video continues from
+        s + max_k max(h_k, w_k), which is the stock rule when all pairs are equal.
         """
         input_ids = inputs["input_ids"][0]
         is_video = inputs["mm_token_type_ids"][0] == VIDEO_TOKEN_TYPE
@@ -257,8 +259,12 @@ class Qwen25VLAdapter(QwenVideoAdapter):
         if int(is_video[start:end].sum()) != end - start or int(is_video.sum()) != plan.visual_tokens:
             raise ValueError("expected one contiguous run of video tokens holding the whole plan")
         tokens_per_second = self.model.config.vision_config.tokens_per_second
-        time_interval = tokens_per_second * inputs["second_per_grid_ts"][0]
-        temporal = (torch.arange(len(plan.grids), device=input_ids.device) * time_interval).long()
+        if video.uniform:
+            time_interval = tokens_per_second * inputs["second_per_grid_ts"][0]
+            temporal = (torch.arange(len(plan.grids), device=input_ids.device) * time_interval).long()
+        else:
+            seconds = torch.tensor([(video.indices[group[0]] - video.indices[0]) / video.fps for group in plan.pair_frames], dtype=torch.float64)
+            temporal = (seconds * tokens_per_second).floor().long()
         blocks = []
         for k, (_, h, w) in enumerate(plan.grids):
             hh, ww = torch.meshgrid(torch.arange(h), torch.arange(w), indexing="ij")

@@ -46,7 +46,9 @@ class ResAdaptQwen(lmms):
     (target R; for resadapt the Allocator's scales are projected onto it), allocator (checkpoint
     folder or `builtin`), allocator_inference (mean | quantile | sample), allocator_quantile,
     allocator_seed, compression_seed (random_drop's subset; token compressors: random_drop | tome |
-    visionzip | flashvid compress the vanilla plan's merged tokens to round(R * N)),
+    visionzip | flashvid compress the vanilla plan's merged tokens to round(R * N)), operator
+    (resize | select | select_resize; selection scores `candidates` frames with the Allocator and
+    keeps `top_k` and/or those with scale >= `score_threshold`),
     max_num_frames, min_pixels / max_pixels (one frame's base area in pixels), s_min / s_max
     (scale range), min_tokens_per_pair / max_tokens_per_pair, pair_reduction (mean | max | min),
     device, dtype, attn_implementation, strict (raise on a bad sample instead of recording it),
@@ -81,6 +83,10 @@ class ResAdaptQwen(lmms):
         allocator_quantile: float = 0.5,
         allocator_seed: int = 0,
         compression_seed: int = 0,
+        operator: str = "resize",
+        candidates: int = 128,
+        top_k: int | None = 32,
+        score_threshold: float | None = None,
         batch_size: int | str = 1,
         max_batch_size: int | None = None,
         **unknown,
@@ -121,6 +127,10 @@ class ResAdaptQwen(lmms):
             allocator_quantile=float(allocator_quantile),
             allocator_seed=int(allocator_seed),
             compression_seed=int(compression_seed),
+            operator=operator,
+            candidates=int(candidates),
+            top_k=_none_or(top_k, int),
+            score_threshold=_none_or(score_threshold, float),
         )
         adapter = self.adapter_cls.from_pretrained(str(pretrained), device=device, dtype=dtype, attn_implementation=_none_or(attn_implementation, str))
         self.pipeline = VideoPipeline(adapter, config)
