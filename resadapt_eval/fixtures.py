@@ -214,7 +214,7 @@ SMOKE_COLOURS = {"red": (220, 40, 40), "green": (40, 200, 60), "blue": (40, 80, 
 SMOKE_SHAPES = [(320, 240), (240, 320), (400, 400), (480, 270)]
 SMOKE_DIR = "smoke_videoqa"
 COMPLETE_MARKER = ".complete"  # written last, so a half-written folder is rewritten
-FIXTURES_VERSION = 3  # bump when the fixtures change, so old folders are rewritten
+FIXTURES_VERSION = 4  # bump when the fixtures change, so old folders are rewritten
 
 
 def write_video(path: Path, frames: np.ndarray, fps: float) -> None:
@@ -298,7 +298,48 @@ def write_fixtures(out: Path, seed: int = 0) -> dict[str, Path]:
     out = Path(out)
     paths = {name: write_backbone(name, out / name, seed=seed) for name in BUILDERS}
     paths["smoke_videoqa"] = write_smoke_dataset(out / SMOKE_DIR, seed=seed)
+    paths.update(write_benchmark_fixtures(out / "benchmarks", out / SMOKE_DIR, seed=seed))
     (out / COMPLETE_MARKER).write_text(_marker(seed))
+    return paths
+
+
+def write_benchmark_fixtures(out_dir: Path, smoke_dir: Path, seed: int = 0) -> dict[str, Path]:
+    """Tiny test splits with the columns of the real datasets (VideoMME, LVBench, Charades-STA,
+    NExT-GQA, ActivityNet Captions grounding, ChartQA), over the smoke clips and generated charts,
+    so the real tasks' prompt and scoring functions run offline (tasks/resadapt_fixtures/).
+    `video_path` / `image_path` hold absolute paths to the local media."""
+    rng = np.random.default_rng(seed)
+    smoke = [json.loads(line) for line in (smoke_dir / "test.jsonl").read_text().splitlines()]
+    duration = 4.0  # seconds: 32 frames at 8 fps
+    rows: dict[str, list[dict]] = {"videomme": [], "lvbench": [], "charades": [], "nextgqa": [], "activitynet": [], "chartqa": []}
+    for i, clip in enumerate(smoke[:4]):
+        path, vid = clip["video_path"], clip["videoID"]
+        rows["videomme"].append({**{k: clip[k] for k in ("question_id", "videoID", "duration", "domain", "sub_category", "task_type", "question", "options", "answer")},
+                                 "video_id": f"{i:03d}", "url": f"https://www.youtube.com/watch?v={vid}", "video_path": path})  # fmt: skip
+        options = [o.split(". ", 1)[1] for o in clip["options"]]
+        rows["lvbench"].append(dict(uid=i, key=vid, type=["entity recognition"], time_reference="00:01-00:03", video_path=path,
+                                    question=clip["question"], options=options, answer=clip["answer"]))  # fmt: skip
+        start = round(float(rng.uniform(0.5, 1.5)), 1)
+        segment = [start, round(start + float(rng.uniform(1.0, 2.0)), 1)]
+        caption = "a coloured square moves across the frame"
+        rows["charades"].append(dict(video=f"{vid}.mp4", caption=caption, timestamp=segment, duration=duration, video_path=path))
+        rows["activitynet"].append(dict(video=vid, caption=caption, timestamp=segment, duration=duration, video_path=path))
+        rows["nextgqa"].append(dict(video=vid, qid=i, question="What moves across the frame while the square is visible?",
+                                    options=["a square", "a dog", "a car", "nothing", "a person"], answer="A",
+                                    segments=[segment], duration=duration, video_path=path))  # fmt: skip
+        chart = smoke_frames(rng, 224, 168, 1, (40, 80, 220))[0]
+        image_path = out_dir / "chartqa" / "images" / f"chart_{i:03d}.png"
+        image_path.parent.mkdir(parents=True, exist_ok=True)
+        from PIL import Image
+
+        Image.fromarray(chart).save(image_path)
+        rows["chartqa"].append(dict(question="What is the largest value?", answer=str(10 * (i + 1)), type="human_test", image_path=str(image_path.resolve())))
+    paths = {}
+    for name, records in rows.items():
+        path = out_dir / name / "test.jsonl"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text("".join(json.dumps(r) + "\n" for r in records))
+        paths[f"benchmark_{name}"] = path
     return paths
 
 

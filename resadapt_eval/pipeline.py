@@ -210,8 +210,44 @@ class VideoPipeline:
         record.frame_budget = record.visual_tokens / (self.adapter.grid.tokens(*plan.base_hw) / self.adapter.grid.temporal_patch)
         record.input_tokens = int(inputs["input_ids"].shape[1])
 
+        return self._generate(inputs, gen_kwargs, record)
+
+    def _generate(self, inputs: dict, gen_kwargs: dict | None, record: SampleRecord) -> tuple[str, SampleRecord]:
         t0 = time.perf_counter()
         text, n_out = self.adapter.generate(inputs, **(gen_kwargs or {}))
         record.generate_s = time.perf_counter() - t0
         record.output_tokens = n_out
         return text, record
+
+    def run_images(self, images: list, prompt: str, query: str = "", gen_kwargs: dict | None = None, record: SampleRecord | None = None) -> tuple[str, SampleRecord]:
+        """Answer `prompt` (chat text with one image placeholder per image) about PIL or uint8
+        images. Each image is a one-frame video with its own base size and scale from the same
+        policy (a pair for the backbone); R is counted the same way."""
+        if self.config.method in COMPRESSION_METHODS or self.config.operator != "resize":
+            raise ValueError(f"method={self.config.method}, operator={self.config.operator} works on videos only; images take vanilla, fixed_scale or resadapt")
+        record = record or SampleRecord(doc_id=None, task=None, method=self.config.method)
+        record.target_retention = self.config.budget.retention
+        t0 = time.perf_counter()
+        frames = [np.array(image.convert("RGB") if hasattr(image, "convert") else image, dtype=np.uint8) for image in images]
+        record.decode_s = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        context = {"timings": {}}
+        plans = []
+        for frame in frames:
+            video = DecodedVideo(frames=frame[None], indices=[0], total_frames=1, fps=1.0)
+            plans.append(self.plan(video, query, context))
+        record.num_frames = len(frames)
+        record.base_size = [list(p.base_hw) for p in plans]
+        record.scales = [round(p.frame_scales[0], 6) for p in plans]
+        record.pair_sizes = [list(p.pair_sizes[0]) for p in plans]
+        record.grids = [list(p.grids[0]) for p in plans]
+        record.reference_tokens = sum(p.reference_tokens for p in plans)
+        inputs = self.adapter.build_image_inputs(prompt, frames, plans, timings=context["timings"])
+        for name, seconds in context["timings"].items():
+            setattr(record, name, seconds)
+        record.preprocess_s = time.perf_counter() - t0 - (record.allocator_text_s + record.allocator_visual_s + record.allocator_predict_s)
+        record.visual_tokens = int((inputs["input_ids"] == self.adapter.processor.image_token_id).sum())
+        record.achieved_retention = record.visual_tokens / record.reference_tokens
+        record.frame_budget = record.visual_tokens / sum(self.adapter.grid.tokens(*p.base_hw) for p in plans) * len(plans)
+        record.input_tokens = int(inputs["input_ids"].shape[1])
+        return self._generate(inputs, gen_kwargs, record)

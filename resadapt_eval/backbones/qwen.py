@@ -30,6 +30,7 @@ from ..budget.plan import QWEN3VL_GRID, QWEN25VL_GRID, ResizePlan, TokenGrid
 from ..video import DecodedVideo
 
 VIDEO_PAD = "<|video_pad|>"
+IMAGE_PAD = "<|image_pad|>"
 VIDEO_TOKEN_TYPE = 2  # mm_token_type_ids: text 0, image 1, video 2
 
 
@@ -100,6 +101,25 @@ class QwenVideoAdapter:
         positions = self.position_ids(inputs, plan, video)
         if positions is not None:
             inputs["position_ids"] = positions
+        return dict(inputs)
+
+    def build_image_inputs(self, prompt: str, images: list[np.ndarray], plans: list[ResizePlan], timings: dict | None = None) -> dict:
+        """Tokenised prompt with each image at its plan's size (one plan of one pair per image:
+        Qwen duplicates an image into a temporal pair). `prompt` holds one `<|image_pad|>` per
+        image; images are uint8 (H, W, 3). The stock rope positions images (one group each)."""
+        if prompt.count(IMAGE_PAD) != len(images):
+            raise ValueError(f"the prompt holds {prompt.count(IMAGE_PAD)} {IMAGE_PAD}, expected one per image ({len(images)})")
+        t0 = time.perf_counter()
+        resized = [resize_frames(image[None], *plan.pair_sizes[0])[0] for image, plan in zip(images, plans)]
+        if timings is not None:
+            timings["scale_apply_s"] = time.perf_counter() - t0
+        inputs = self.processor(text=[prompt], images=resized, do_resize=False, return_tensors="pt")
+        placeholders = int((inputs["input_ids"] == self.processor.image_token_id).sum())
+        expected = sum(p.visual_tokens for p in plans)
+        if placeholders != expected:
+            raise RuntimeError(f"processor wrote {placeholders} image placeholders, the plans count {expected}")
+        inputs = inputs.to(self.device)
+        inputs["pixel_values"] = inputs["pixel_values"].to(self.model.dtype)
         return dict(inputs)
 
     def position_ids(self, inputs, plan: ResizePlan, video: DecodedVideo) -> torch.Tensor | None:

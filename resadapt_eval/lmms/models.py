@@ -164,12 +164,15 @@ class ResAdaptQwen(lmms):
         try:
             messages = ChatMessages(messages=doc_to_messages(self.task_dict[task][split][doc_id]))
             images, videos, _ = messages.extract_media()
-            if images or len(videos) != 1:
-                raise ValueError(f"expected exactly one video and no images, got {len(videos)} video(s) and {len(images)} image(s)")
+            if (images and videos) or len(videos) > 1 or not (images or videos):
+                raise ValueError(f"expected one video or one or more images, got {len(videos)} video(s) and {len(images)} image(s)")
             hf_messages = messages.to_hf_messages()
             prompt = self.pipeline.adapter.processor.apply_chat_template(hf_messages, tokenize=False, add_generation_prompt=True)
             query = " ".join(part["text"] for m in hf_messages if m["role"] == "user" for part in m["content"] if part["type"] == "text")
-            text, record = self.pipeline.run(videos[0], prompt, query=query, gen_kwargs=_generation_args(gen_kwargs), record=record)
+            if videos:
+                text, record = self.pipeline.run(videos[0], prompt, query=query, gen_kwargs=_generation_args(gen_kwargs), record=record)
+            else:
+                text, record = self.pipeline.run_images(images, prompt, query=query, gen_kwargs=_generation_args(gen_kwargs), record=record)
             return _cut_at_stop(text, gen_kwargs.get("until")), record
         except Exception as exc:
             if self.strict:

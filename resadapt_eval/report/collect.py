@@ -17,17 +17,19 @@ TASK_METRICS = {
     "mlvu_dev": [("mlvu_percetion_score", "mlvu")],
     "video_mmmu": [("mmmu_acc", "videommmu")],
     "lvbench": [("lvbench_score", "lvbench")],
+    "resadapt_activitynet_tg": [("r0.3", "activitynet_r0.3"), ("r0.5", "activitynet_r0.5"), ("r0.7", "activitynet_r0.7"), ("miou", "activitynet_miou")],
+    "resadapt_nextgqa": [("acc", "nextgqa_acc"), ("miou", "nextgqa_miou")],
     "temporal_grounding_charades": [
         ("charades_sta_IOU@3", "charades_r0.3"), ("charades_sta_IOU@5", "charades_r0.5"),
         ("charades_sta_IOU@7", "charades_r0.7"), ("charades_sta_mIOU", "charades_miou"),
     ],  # fmt: skip
     "mmmu_val": [("mmmu_acc", "mmmu_val")],
     "ocrbench": [("ocrbench_accuracy", "ocrbench")],
-    "chartqa": [("relaxed_human_split", "chartqa")],
+    "chartqa": [("relaxed_overall", "chartqa")],
     "ai2d": [("exact_match", "ai2d")],
     "textvqa_val": [("exact_match", "textvqa_val")],
 }
-GROUNDING_TASKS = {"temporal_grounding_charades"}
+GROUNDING_TASKS = {"temporal_grounding_charades", "resadapt_activitynet_tg", "resadapt_nextgqa"}
 IMAGE_TASKS = {"mmmu_val", "ocrbench", "chartqa", "ai2d", "textvqa_val", "mathvista_testmini"}
 
 
