@@ -11,8 +11,6 @@ Medians over --repeats runs after one warm-up. Ratios are to vanilla prefill / v
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 from pathlib import Path
 
 import torch
@@ -23,18 +21,11 @@ from resadapt_eval.budget.plan import base_size, plan_from_scales
 from resadapt_eval.budget.policies import BudgetSpec
 from resadapt_eval.fixtures import ensure_fixtures
 from resadapt_eval.video import decode_video
+from timing import median_seconds
 
 REPO = Path(__file__).resolve().parents[1]
 
 
-def median_seconds(fn, repeats: int) -> float:
-    fn()  # warm-up
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
 
 
 def main() -> None:

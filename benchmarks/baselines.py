@@ -11,8 +11,6 @@ over --repeats runs after a warm-up; ratios are to vanilla in the same run.
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 from pathlib import Path
 
 import torch
@@ -23,18 +21,11 @@ from resadapt_eval.budget.plan import base_size, plan_from_scales
 from resadapt_eval.budget.policies import BudgetSpec, fixed_scale
 from resadapt_eval.fixtures import ensure_fixtures
 from resadapt_eval.video import decode_video
+from timing import median_seconds
 
 REPO = Path(__file__).resolve().parents[1]
 
 
-def median_seconds(fn, repeats: int) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
 
 
 def main() -> None:
