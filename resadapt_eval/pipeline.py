@@ -136,19 +136,18 @@ class VideoPipeline:
         cfg, grid = self.config, self.adapter.grid
         raw = self.policy.raw_scales(video.frames, query, context.setdefault("timings", {}))
         context["raw_scales"] = raw
-        kept = video.subset(select_frames(raw, cfg.top_k, cfg.score_threshold))
-        positions = [video.indices.index(i) for i in kept.indices]
+        positions = select_frames(raw, cfg.top_k, cfg.score_threshold)  # sorted, into the candidates
         base = self.base_hw(video)
         reference = plan_from_scales(np.ones(len(video.indices)), base, grid, **cfg.budget.plan_bounds).reference_tokens
         if cfg.operator == "select":
             scales = np.ones(len(positions))
-        else:
+        elif cfg.budget.retention is None:
             scales = np.clip(raw[positions], cfg.budget.s_min, cfg.budget.s_max)
-            if cfg.budget.retention is not None:
-                kept_reference = plan_from_scales(np.ones(len(positions)), base, grid, **cfg.budget.plan_bounds).reference_tokens
-                target = cfg.budget.retention * reference / kept_reference
-                scales = project_to_retention(raw[positions], target, base, grid, cfg.budget.s_min, cfg.budget.s_max, **cfg.budget.plan_bounds)
-        return kept, plan_from_scales(scales, base, grid, **cfg.budget.plan_bounds), reference
+        else:
+            kept_reference = plan_from_scales(np.ones(len(positions)), base, grid, **cfg.budget.plan_bounds).reference_tokens
+            target = cfg.budget.retention * reference / kept_reference
+            scales = project_to_retention(raw[positions], target, base, grid, cfg.budget.s_min, cfg.budget.s_max, **cfg.budget.plan_bounds)
+        return video.subset(positions), plan_from_scales(scales, base, grid, **cfg.budget.plan_bounds), reference
 
     def plan(self, video: DecodedVideo, query: str = "", context: dict | None = None) -> ResizePlan:
         """The resize plan this pipeline's method gives `video`. Policies may leave timings and
