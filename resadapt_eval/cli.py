@@ -1,4 +1,4 @@
-"""`resadapt-eval` command line: fixtures | demo | sweep | tables | plots | train."""
+"""`resadapt-eval` command line: fixtures | demo | sweep | tables | plots | train | needle."""
 
 from __future__ import annotations
 
@@ -89,6 +89,14 @@ def cmd_train(args) -> int:
     return 0
 
 
+def cmd_needle_make_data(args) -> int:
+    from .needle.data import make_data
+
+    for split, path in make_data(args.out, train=args.train, val=args.val, test=args.test, seed=args.seed, cue=args.cue).items():
+        print(f"{split}: {path}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="resadapt-eval", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -131,6 +139,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in output_dir")
     p.add_argument("--steps", type=int, default=None, help="override train.steps (total steps, counting resumed ones)")
     p.set_defaults(func=cmd_train)
+
+    needle = sub.add_parser("needle", help="the needle benchmark").add_subparsers(dest="needle_command", required=True)
+    p = needle.add_parser("make-data", help="write seeded train/val/test needle videos and JSONL")
+    p.add_argument("--out", default="fixtures/needle", help="output folder (default: fixtures/needle, which the resadapt_needle task reads)")
+    p.add_argument("--train", type=int, default=2000)
+    p.add_argument("--val", type=int, default=200)
+    p.add_argument("--test", type=int, default=400)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--cue", action="store_true", help="add a coarse bright border to the evidence frames")
+    p.set_defaults(func=cmd_needle_make_data)
 
     args = parser.parse_args(argv)
     return args.func(args)

@@ -1,0 +1,126 @@
+"""The needle benchmark's data: synthetic videos where one frame pair carries a tiny
+high-frequency symbol that is readable only at full resolution.
+
+Each video: T=16 frames of 224x224 pixels. Background: a two-colour gradient with 1-3 soft-edged
+moving discs or squares (edges ~3 px, so distractors carry no fine detail); no pixel noise, which
+would not compress losslessly (about 80 KB a video without it, over 1 MB with it). One
+frame pair, at a random position in the first half, carries a glyph 12-20 px wide whose class is
+a pattern at the pixel Nyquist frequency with the background's mean colour (zero-mean contrast):
+alternating rows, alternating columns, a grid, or a checkerboard. Downscaling averages the
+pattern away, so a downscaled evidence pair is unreadable. With `cue=True` the evidence frames
+also get a coarse bright border that a cheap encoder can see.
+
+Videos are lossless (libx264rgb, qp 0, Matroska), so the glyph survives storage exactly.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+CLASSES = ("horizontal stripes", "vertical stripes", "grid", "checkerboard")
+LETTERS = "ABCD"
+QUESTION = "Which symbol appears in the video?\n" + "\n".join(f"{l}. {c}" for l, c in zip(LETTERS, CLASSES)) + "\nAnswer with the option's letter."
+SIZE, FRAMES, FPS = 224, 16, 8
+
+
+@dataclass(frozen=True)
+class NeedleSpec:
+    """One video: glyph class (0-3), the evidence pair index, glyph size (px) and top-left corner."""
+
+    label: int
+    evidence_pair: int
+    glyph: int
+    x: int
+    y: int
+
+
+def glyph_pattern(label: int, size: int) -> np.ndarray:
+    """(size, size) pattern in {-1, +1} at the pixel Nyquist frequency."""
+    yy, xx = np.mgrid[0:size, 0:size]
+    if label == 0:
+        return np.where(yy % 2 == 0, 1.0, -1.0)
+    if label == 1:
+        return np.where(xx % 2 == 0, 1.0, -1.0)
+    if label == 2:
+        return np.where((yy % 2 == 0) | (xx % 2 == 0), 1.0, -1.0) - 0.5  # grid lines, zero-mean up to rounding
+    return np.where((yy + xx) % 2 == 0, 1.0, -1.0)
+
+
+def render_video(rng: np.random.Generator, spec: NeedleSpec, cue: bool = False) -> np.ndarray:
+    """uint8 frames (FRAMES, SIZE, SIZE, 3)."""
+    yy, xx = np.mgrid[0:SIZE, 0:SIZE] / SIZE
+    c1, c2 = rng.uniform(50, 200, 3), rng.uniform(50, 200, 3)
+    w = (np.cos(rng.uniform(0, np.pi)) * xx + np.sin(rng.uniform(0, np.pi)) * yy)[..., None]
+    w = (w - w.min()) / (w.max() - w.min() + 1e-9)
+    background = c1 * (1 - w) + c2 * w
+    frames = np.repeat(background[None], FRAMES, axis=0).astype(np.float64)
+    for _ in range(int(rng.integers(1, 4))):  # soft-edged moving shapes
+        radius = rng.uniform(15, 40)
+        start, velocity = rng.uniform(40, 184, 2), rng.uniform(-4, 4, 2)
+        colour, square = rng.uniform(30, 225, 3), rng.random() < 0.5
+        for t in range(FRAMES):
+            cy, cx = start + velocity * t
+            dy, dx = yy * SIZE - cy, xx * SIZE - cx
+            dist = np.maximum(np.abs(dy), np.abs(dx)) if square else np.hypot(dy, dx)
+            alpha = np.clip((radius - dist) / 3.0, 0, 1)[..., None]
+            frames[t] = frames[t] * (1 - alpha) + colour * alpha
+    pattern = glyph_pattern(spec.label, spec.glyph)[..., None] * 60.0
+    for t in (2 * spec.evidence_pair, 2 * spec.evidence_pair + 1):
+        patch = frames[t, spec.y : spec.y + spec.glyph, spec.x : spec.x + spec.glyph]
+        frames[t, spec.y : spec.y + spec.glyph, spec.x : spec.x + spec.glyph] = patch.mean(axis=(0, 1)) + pattern
+        if cue:
+            frames[t, :6], frames[t, -6:], frames[t, :, :6], frames[t, :, -6:] = 255, 255, 255, 255
+    frames += rng.normal(0, 1.0, frames.shape)
+    return frames.clip(0, 255).astype(np.uint8)
+
+
+def write_lossless(path: Path, frames: np.ndarray, fps: int = FPS) -> None:
+    import av
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with av.open(str(path), mode="w") as container:
+        stream = container.add_stream("libx264rgb", rate=fps)
+        stream.width, stream.height, stream.pix_fmt = frames.shape[2], frames.shape[1], "rgb24"
+        stream.options = {"qp": "0", "preset": "ultrafast"}
+        for frame in frames:
+            for packet in stream.encode(av.VideoFrame.from_ndarray(frame, format="rgb24")):
+                container.mux(packet)
+        for packet in stream.encode():
+            container.mux(packet)
+
+
+def make_split(out: Path, split: str, count: int, seed: int, cue: bool = False, progress: bool = True) -> Path:
+    """Write `count` videos and `<split>.jsonl` (rows: video_path, question, answer, label,
+    evidence_pair, evidence_frames) under `out`; returns the JSONL path."""
+    from tqdm import tqdm
+
+    rng = np.random.default_rng(seed)
+    rows = []
+    for i in tqdm(range(count), desc=f"needle {split}", disable=not progress):
+        glyph = int(rng.integers(12, 21))
+        spec = NeedleSpec(label=int(rng.integers(0, 4)), evidence_pair=int(rng.integers(0, FRAMES // 4)), glyph=glyph,
+                          x=int(rng.integers(8, SIZE - glyph - 8)), y=int(rng.integers(8, SIZE - glyph - 8)))  # fmt: skip
+        path = out / split / f"needle_{split}_{i:05d}.mkv"
+        write_lossless(path, render_video(rng, spec, cue))
+        rows.append(dict(video_path=str(path.resolve()), question=QUESTION, answer=LETTERS[spec.label], label=spec.label,
+                         evidence_pair=spec.evidence_pair, evidence_frames=[2 * spec.evidence_pair, 2 * spec.evidence_pair + 1]))  # fmt: skip
+    jsonl = out / f"{split}.jsonl"
+    jsonl.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return jsonl
+
+
+def make_data(out: str | Path, train: int = 2000, val: int = 200, test: int = 400, seed: int = 0, cue: bool = False) -> dict[str, Path]:
+    """All three splits, each from its own seed (seed, seed + 1, seed + 2)."""
+    out = Path(out)
+    return {split: make_split(out, split, n, seed + k, cue) for k, (split, n) in enumerate((("train", train), ("val", val), ("test", test)))}
+
+
+def needle_process_results(doc, results):
+    """Accuracy by the option letter (lmms-eval task `resadapt_needle`)."""
+    from ..capo.rewards import choice_letter
+
+    return {"needle_acc": float(choice_letter(results[0], LETTERS) == doc["answer"])}

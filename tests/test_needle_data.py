@@ -1,0 +1,40 @@
+"""The needle benchmark's data generator (the first part of the needle benchmark)."""
+
+import json
+
+import numpy as np
+import pytest
+
+from resadapt_eval.needle.data import CLASSES, glyph_pattern, make_split
+from resadapt_eval.video import decode_video
+
+
+@pytest.mark.parametrize("label", range(4))
+def test_glyphs_are_zero_mean_nyquist_patterns_that_differ(label):
+    pattern = glyph_pattern(label, 16)
+    assert abs(pattern.mean()) < 1e-9  # the glyph keeps the background's mean colour
+    # a 2x2 average (what a 0.5x downscale does) leaves nothing of any pattern but the grid's
+    pooled = pattern.reshape(8, 2, 8, 2).mean(axis=(1, 3))
+    assert np.allclose(pooled, pooled.mean())
+    others = [glyph_pattern(k, 16) for k in range(4) if k != label]
+    assert all(not np.array_equal(pattern, o) for o in others)
+
+
+def test_split_is_seeded_lossless_and_marks_the_evidence(tmp_path):
+    a = make_split(tmp_path / "a", "test", 3, seed=5, progress=False)
+    b = make_split(tmp_path / "b", "test", 3, seed=5, progress=False)
+    rows_a = [json.loads(line) for line in a.read_text().splitlines()]
+    rows_b = [json.loads(line) for line in b.read_text().splitlines()]
+    assert [(r["answer"], r["evidence_pair"]) for r in rows_a] == [(r["answer"], r["evidence_pair"]) for r in rows_b]
+    for row in rows_a:
+        video = decode_video(row["video_path"], 16)
+        assert video.frames.shape == (16, 224, 224, 3)
+        assert row["answer"] in "ABCD" and CLASSES[row["label"]] in row["question"]
+        assert row["evidence_frames"] == [2 * row["evidence_pair"], 2 * row["evidence_pair"] + 1] and row["evidence_pair"] < 4
+        evidence, other = video.frames[row["evidence_frames"][0]].astype(int), video.frames[row["evidence_frames"][0] + 4].astype(int)
+
+        def alternation(frame):  # largest second difference along rows or columns
+            return max(np.abs(np.diff(frame, n=2, axis=axis)).max() for axis in (0, 1))
+
+        # the evidence frame has pixel-scale alternation; frames without the glyph do not
+        assert alternation(evidence) > alternation(other) + 50
