@@ -97,6 +97,14 @@ def cmd_needle_make_data(args) -> int:
     return 0
 
 
+def cmd_needle_train_backbone(args) -> int:
+    from .needle.train_backbone import train_backbone
+
+    out = train_backbone(args.out, stage1_steps=args.stage1_steps, stage2_steps=args.stage2_steps, batch=args.batch, seed=args.seed)
+    print(f"needle backbone: {out}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="resadapt-eval", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -149,6 +157,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--cue", action="store_true", help="add a coarse bright border to the evidence frames")
     p.set_defaults(func=cmd_needle_make_data)
+    p = needle.add_parser("train-backbone", help="train the tiny Qwen2.5-VL-architecture needle backbone (two stages, CPU)")
+    p.add_argument("--out", default="results/needle/backbone-qwen25vl")
+    p.add_argument("--stage1-steps", type=int, default=500)
+    p.add_argument("--stage2-steps", type=int, default=700)
+    p.add_argument("--batch", type=int, default=16, help="stage-1 pairs per step (stage 2 uses half, one sample at a time)")
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(func=cmd_needle_train_backbone)
 
     args = parser.parse_args(argv)
     return args.func(args)

@@ -50,24 +50,24 @@ def glyph_pattern(label: int, size: int) -> np.ndarray:
     return np.where((yy + xx) % 2 == 0, 1.0, -1.0)
 
 
-def render_video(rng: np.random.Generator, spec: NeedleSpec, cue: bool = False) -> np.ndarray:
-    """uint8 frames (FRAMES, SIZE, SIZE, 3)."""
+def render_video(rng: np.random.Generator, spec: NeedleSpec, cue: bool = False, num_frames: int = FRAMES) -> np.ndarray:
+    """uint8 frames (num_frames, SIZE, SIZE, 3); the evidence pair must lie within them."""
     yy, xx = np.mgrid[0:SIZE, 0:SIZE] / SIZE
     c1, c2 = rng.uniform(50, 200, 3), rng.uniform(50, 200, 3)
     w = (np.cos(rng.uniform(0, np.pi)) * xx + np.sin(rng.uniform(0, np.pi)) * yy)[..., None]
     w = (w - w.min()) / (w.max() - w.min() + 1e-9)
     background = c1 * (1 - w) + c2 * w
-    frames = np.repeat(background[None], FRAMES, axis=0).astype(np.float64)
-    for _ in range(int(rng.integers(1, 4))):  # soft-edged moving shapes
+    frames = np.repeat(background[None], num_frames, axis=0).astype(np.float32)
+    t = np.arange(num_frames, dtype=np.float32)[:, None, None]
+    py, px = (yy * SIZE).astype(np.float32)[None], (xx * SIZE).astype(np.float32)[None]
+    for _ in range(int(rng.integers(1, 4))):  # soft-edged moving shapes, all frames at once
         radius = rng.uniform(15, 40)
         start, velocity = rng.uniform(40, 184, 2), rng.uniform(-4, 4, 2)
-        colour, square = rng.uniform(30, 225, 3), rng.random() < 0.5
-        for t in range(FRAMES):
-            cy, cx = start + velocity * t
-            dy, dx = yy * SIZE - cy, xx * SIZE - cx
-            dist = np.maximum(np.abs(dy), np.abs(dx)) if square else np.hypot(dy, dx)
-            alpha = np.clip((radius - dist) / 3.0, 0, 1)[..., None]
-            frames[t] = frames[t] * (1 - alpha) + colour * alpha
+        colour, square = rng.uniform(30, 225, 3).astype(np.float32), rng.random() < 0.5
+        dy, dx = py - (start[0] + velocity[0] * t), px - (start[1] + velocity[1] * t)
+        dist = np.maximum(np.abs(dy), np.abs(dx)) if square else np.hypot(dy, dx)
+        alpha = np.clip((radius - dist) / 3.0, 0, 1)[..., None]
+        frames = frames * (1 - alpha) + colour * alpha
     pattern = glyph_pattern(spec.label, spec.glyph)[..., None] * 60.0
     for t in (2 * spec.evidence_pair, 2 * spec.evidence_pair + 1):
         patch = frames[t, spec.y : spec.y + spec.glyph, spec.x : spec.x + spec.glyph]
