@@ -100,7 +100,7 @@ def cmd_needle_make_data(args) -> int:
 def cmd_needle_train_backbone(args) -> int:
     from .needle.train_backbone import train_backbone
 
-    out = train_backbone(args.out, stage1_steps=args.stage1_steps, stage2_steps=args.stage2_steps, batch=args.batch, seed=args.seed)
+    out = train_backbone(args.out, stage1_steps=args.stage1_steps, stage2_steps=args.stage2_steps, batch=args.batch, seed=args.seed, init=args.init, lr=args.lr)
     print(f"needle backbone: {out}")
     return 0
 
@@ -163,6 +163,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--stage2-steps", type=int, default=700)
     p.add_argument("--batch", type=int, default=16, help="stage-1 pairs per step (stage 2 uses half, one sample at a time)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--init", default=None, help="continue training this backbone folder (use --stage1-steps 0)")
+    p.add_argument("--lr", type=float, default=1e-3, help="stage-2 learning rate (vision x0.2)")
     p.set_defaults(func=cmd_needle_train_backbone)
 
     args = parser.parse_args(argv)

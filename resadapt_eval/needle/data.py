@@ -94,8 +94,9 @@ def write_lossless(path: Path, frames: np.ndarray, fps: int = FPS) -> None:
 
 
 def make_split(out: Path, split: str, count: int, seed: int, cue: bool = False, progress: bool = True) -> Path:
-    """Write `count` videos and `<split>.jsonl` (rows: video_path, question, answer, label,
-    evidence_pair, evidence_frames) under `out`; returns the JSONL path."""
+    """Write `count` videos and `<split>.jsonl` (rows: video_path and video (the same path, for
+    the lmms-eval task and the trainer), task_type, question, answer, label, evidence_pair,
+    evidence_frames) under `out`; returns the JSONL path."""
     from tqdm import tqdm
 
     rng = np.random.default_rng(seed)
@@ -106,9 +107,10 @@ def make_split(out: Path, split: str, count: int, seed: int, cue: bool = False, 
                           x=int(rng.integers(8, SIZE - glyph - 8)), y=int(rng.integers(8, SIZE - glyph - 8)))  # fmt: skip
         path = out / split / f"needle_{split}_{i:05d}.mkv"
         write_lossless(path, render_video(rng, spec, cue))
-        rows.append(dict(video_path=str(path.resolve()), question=QUESTION, answer=LETTERS[spec.label], label=spec.label,
+        rows.append(dict(video_path=str(path.resolve()), video=str(path.resolve()), task_type="multiple_choice", question=QUESTION, answer=LETTERS[spec.label], label=spec.label,
                          evidence_pair=spec.evidence_pair, evidence_frames=[2 * spec.evidence_pair, 2 * spec.evidence_pair + 1]))  # fmt: skip
     jsonl = out / f"{split}.jsonl"
+    jsonl.parent.mkdir(parents=True, exist_ok=True)
     jsonl.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return jsonl
 

@@ -95,8 +95,9 @@ def sample_scales(rng: np.random.Generator, pairs: int, evidence: int) -> np.nda
     return np.repeat(pair_scales, 2)
 
 
-def train_answer_stage(adapter: Qwen25VLAdapter, rng, steps: int, batch: int, lr: float, progress: bool) -> list[float]:
-    """Stage 2: the whole model on the answer letter, through per-pair inputs."""
+def train_answer_stage(adapter: Qwen25VLAdapter, rng, steps: int, batch: int, lr: float, progress: bool, full_curriculum: bool = False) -> list[float]:
+    """Stage 2: the whole model on the answer letter, through per-pair inputs (`full_curriculum`:
+    up to all pairs from the first step, when continuing a trained model)."""
     model, tok = adapter.model, adapter.tokenizer
     vision = set(id(p) for p in model.model.visual.parameters())
     optimizer = torch.optim.AdamW(
@@ -108,7 +109,7 @@ def train_answer_stage(adapter: Qwen25VLAdapter, rng, steps: int, batch: int, lr
     history = []
     bar = tqdm(range(steps), desc="needle stage 2 (answer)", disable=not progress)
     for step in bar:
-        max_pairs = min(PAIRS, 2 + int(step / (0.5 * steps) * (PAIRS - 2)))
+        max_pairs = PAIRS if full_curriculum else min(PAIRS, 2 + int(step / (0.5 * steps) * (PAIRS - 2)))
         optimizer.zero_grad()
         correct = 0
         for _ in range(batch):
@@ -129,21 +130,28 @@ def train_answer_stage(adapter: Qwen25VLAdapter, rng, steps: int, batch: int, lr
     return history
 
 
-def train_backbone(out: str | Path, stage1_steps: int = 500, stage2_steps: int = 700, batch: int = 16, seed: int = 0, progress: bool = True) -> Path:
-    """Train both stages and `save_pretrained` model and processor to `out`."""
+def train_backbone(out: str | Path, stage1_steps: int = 500, stage2_steps: int = 700, batch: int = 16, seed: int = 0, init: str | None = None,
+                   lr: float = 1e-3, progress: bool = True) -> Path:  # fmt: skip
+    """Train both stages (or continue from the `init` folder) and `save_pretrained` model and
+    processor to `out`."""
     torch.manual_seed(seed)
     rng = np.random.default_rng(seed)
-    model, processor = build_needle_backbone(seed)
+    if init:
+        adapter = Qwen25VLAdapter.from_pretrained(init, dtype="float32")
+        model, processor = adapter.model, adapter.processor
+    else:
+        model, processor = build_needle_backbone(seed)
     model.train()
     t0 = time.perf_counter()
     train_vision_stage(model, processor, rng, stage1_steps, batch, 2e-3, progress)
     adapter = Qwen25VLAdapter(model, processor)
-    train_answer_stage(adapter, rng, stage2_steps, max(1, batch // 2), 1e-3, progress)
+    train_answer_stage(adapter, rng, stage2_steps, max(1, batch // 2), lr, progress, full_curriculum=bool(init))
     model.eval()
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out)
     processor.save_pretrained(out)
-    (out / "training.txt").write_text(f"seed={seed} stage1_steps={stage1_steps} stage2_steps={stage2_steps} batch={batch} seconds={time.perf_counter() - t0:.0f}\n")
+    with open(out / "training.txt", "a") as log:
+        log.write(f"init={init} seed={seed} stage1_steps={stage1_steps} stage2_steps={stage2_steps} batch={batch} lr={lr} seconds={time.perf_counter() - t0:.0f}\n")
     return out
 
