@@ -38,3 +38,17 @@ def test_split_is_seeded_lossless_and_marks_the_evidence(tmp_path):
 
         # the evidence frame has pixel-scale alternation; frames without the glyph do not
         assert alternation(evidence) > alternation(other) + 50
+
+
+def test_backbone_trainer_runs_both_stages_and_saves(tmp_path):
+    from transformers import AutoConfig
+
+    from resadapt_eval.needle.train_backbone import train_backbone
+
+    out = train_backbone(tmp_path / "needle", stage1_steps=2, stage2_steps=2, batch=2, progress=False)
+    config = AutoConfig.from_pretrained(out)
+    assert config.vision_config.fullatt_block_indexes == [] and config.text_config.hidden_size == 128
+    assert "stage1_steps=2 stage2_steps=2" in (out / "training.txt").read_text()
+    # continuing from the saved model appends to the log
+    train_backbone(out, stage1_steps=0, stage2_steps=1, batch=2, init=str(out), progress=False)
+    assert len((out / "training.txt").read_text().splitlines()) == 2
