@@ -217,16 +217,17 @@ COMPLETE_MARKER = ".complete"  # written last, so a half-written folder is rewri
 FIXTURES_VERSION = 4  # bump when the fixtures change, so old folders are rewritten
 
 
-def write_video(path: Path, frames: np.ndarray, fps: float) -> None:
-    """Write uint8 frames (T, H, W, 3) as an H.264 mp4 with PyAV."""
+def write_video(path: Path, frames: np.ndarray, fps: float, lossless: bool = False) -> None:
+    """Write uint8 frames (T, H, W, 3) with PyAV: H.264 (crf 18, yuv420p), or with `lossless`
+    RGB H.264 at qp 0 (libx264rgb; use a .mkv path), which decodes back exactly."""
     import av
 
     path.parent.mkdir(parents=True, exist_ok=True)
     with av.open(str(path), mode="w") as container:
-        stream = container.add_stream("libx264", rate=int(round(fps)))
+        stream = container.add_stream("libx264rgb" if lossless else "libx264", rate=int(round(fps)))
         stream.width, stream.height = frames.shape[2], frames.shape[1]
-        stream.pix_fmt = "yuv420p"
-        stream.options = {"crf": "18", "g": "8"}
+        stream.pix_fmt = "rgb24" if lossless else "yuv420p"
+        stream.options = {"qp": "0", "preset": "ultrafast"} if lossless else {"crf": "18", "g": "8"}
         for frame in frames:
             for packet in stream.encode(av.VideoFrame.from_ndarray(frame, format="rgb24")):
                 container.mux(packet)

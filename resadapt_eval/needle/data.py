@@ -21,6 +21,8 @@ from pathlib import Path
 
 import numpy as np
 
+from ..fixtures import write_video
+
 CLASSES = ("horizontal stripes", "vertical stripes", "grid", "checkerboard")
 LETTERS = "ABCD"
 QUESTION = "Which symbol appears in the video?\n" + "\n".join(f"{l}. {c}" for l, c in zip(LETTERS, CLASSES)) + "\nAnswer with the option's letter."
@@ -78,21 +80,6 @@ def render_video(rng: np.random.Generator, spec: NeedleSpec, cue: bool = False, 
     return frames.clip(0, 255).astype(np.uint8)
 
 
-def write_lossless(path: Path, frames: np.ndarray, fps: int = FPS) -> None:
-    import av
-
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with av.open(str(path), mode="w") as container:
-        stream = container.add_stream("libx264rgb", rate=fps)
-        stream.width, stream.height, stream.pix_fmt = frames.shape[2], frames.shape[1], "rgb24"
-        stream.options = {"qp": "0", "preset": "ultrafast"}
-        for frame in frames:
-            for packet in stream.encode(av.VideoFrame.from_ndarray(frame, format="rgb24")):
-                container.mux(packet)
-        for packet in stream.encode():
-            container.mux(packet)
-
-
 def make_split(out: Path, split: str, count: int, seed: int, cue: bool = False, progress: bool = True) -> Path:
     """Write `count` videos and `<split>.jsonl` (rows: video_path and video (the same path, for
     the lmms-eval task and the trainer), task_type, question, answer, label, evidence_pair,
@@ -106,7 +93,7 @@ def make_split(out: Path, split: str, count: int, seed: int, cue: bool = False, 
         spec = NeedleSpec(label=int(rng.integers(0, 4)), evidence_pair=int(rng.integers(0, FRAMES // 4)), glyph=glyph,
                           x=int(rng.integers(8, SIZE - glyph - 8)), y=int(rng.integers(8, SIZE - glyph - 8)))  # fmt: skip
         path = out / split / f"needle_{split}_{i:05d}.mkv"
-        write_lossless(path, render_video(rng, spec, cue))
+        write_video(path, render_video(rng, spec, cue), FPS, lossless=True)
         rows.append(dict(video_path=str(path.resolve()), video=str(path.resolve()), task_type="multiple_choice", question=QUESTION, answer=LETTERS[spec.label], label=spec.label,
                          evidence_pair=spec.evidence_pair, evidence_frames=[2 * spec.evidence_pair, 2 * spec.evidence_pair + 1]))  # fmt: skip
     jsonl = out / f"{split}.jsonl"
