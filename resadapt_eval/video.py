@@ -40,11 +40,6 @@ class DecodedVideo:
         """Frames per second of video time covered by the sampled frames (Qwen's `sampled_fps`)."""
         return len(self.indices) / self.total_frames * self.fps
 
-    @property
-    def timestamps(self) -> list[float]:
-        """Time of each decoded frame in seconds."""
-        return [i / self.fps for i in self.indices]
-
 
 def decode_video(path: str | Path, max_num_frames: int) -> DecodedVideo:
     """`min(total, max_num_frames)` uniformly spaced frames of the video at `path`, with decord."""

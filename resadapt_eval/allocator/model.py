@@ -199,10 +199,6 @@ class Allocator(nn.Module):
         """Eq. scale_map: s = s_min + a (s_max - s_min)."""
         return self.config.s_min + a * (self.config.s_max - self.config.s_min)
 
-    def to_latent(self, s: torch.Tensor) -> torch.Tensor:
-        """Inverse of `to_scale`."""
-        return (s - self.config.s_min) / (self.config.s_max - self.config.s_min)
-
     @staticmethod
     def log_prob(dist: Distribution, a: torch.Tensor, frame_mask: torch.Tensor) -> torch.Tensor:
         """Eq. logprob: log q(a | x) = sum over real frames of log Beta(a_t; alpha_t, beta_t), shape (B,)."""

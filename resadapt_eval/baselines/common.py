@@ -72,11 +72,3 @@ def merge_groups(assignment: torch.Tensor, *features: torch.Tensor) -> tuple[tor
         merged.append((sums / sizes[:, None]).to(f.dtype))
     return destinations, sizes, merged
 
-
-def check_assignment(assignment: torch.Tensor, keep: int, name: str) -> torch.Tensor:
-    dest = assignment[assignment != DROPPED]
-    if not bool((assignment[dest] == dest).all()):
-        raise AssertionError(f"{name}: a destination token is not kept as itself")
-    if len(torch.unique(dest)) != keep:
-        raise AssertionError(f"{name}: kept {len(torch.unique(dest))} tokens, budget {keep}")
-    return assignment

@@ -78,7 +78,7 @@ class CellRun:
         return sum(rs) / len(rs) if rs else None
 
 
-def sample_score(sample: dict, task_columns: list[str]) -> float | None:
+def sample_score(sample: dict) -> float | None:
     """A logged sample's score: the first metric value that is a number or holds a `score`."""
     for key, value in sample.items():
         if key in ("doc_id", "doc", "target", "arguments", "resps", "filtered_resps", "token_counts", "doc_hash", "input", "input_media"):
@@ -113,7 +113,7 @@ def collect(run_dir: str | Path) -> list[CellRun]:
             task = samples.stem.split("_samples_", 1)[1]
             for line in samples.read_text().splitlines():
                 sample = json.loads(line)
-                score = sample_score(sample, list(run.scores))
+                score = sample_score(sample)
                 if score is not None:
                     run.outcomes[(task, int(sample["doc_id"]))] = score
         runs.append(run)
