@@ -7,7 +7,8 @@ Two stages (the answer-token loss alone stays at chance on this task):
    x0.2, a curriculum from 1-2 pairs to all 8, and mixed resolutions so the model also reads
    downscaled pairs when it can (45% all full; 35% evidence pair at 0.75-1.0 with the rest at
    0.125-0.5; 20% one uniform scale in 0.25-0.875).
-Videos are rendered in memory from seeded specs (no files).
+Videos are rendered in memory from seeded specs (no files); `cue_fraction` of them carry the
+`--cue` border on their evidence frames.
 """
 
 from __future__ import annotations
@@ -57,7 +58,7 @@ def random_spec(rng: np.random.Generator, glyph_range=(12, 20), pairs: int = PAI
                       x=int(rng.integers(8, SIZE - glyph - 8)), y=int(rng.integers(8, SIZE - glyph - 8)))  # fmt: skip
 
 
-def train_vision_stage(model, processor, rng, steps: int, batch: int, lr: float, progress: bool) -> list[float]:
+def train_vision_stage(model, processor, rng, steps: int, batch: int, lr: float, progress: bool, cue_fraction: float = 0.0) -> list[float]:
     """Stage 1: the vision tower and merger learn the glyph classes on single full-size pairs."""
     head = nn.Linear(model.config.vision_config.out_hidden_size, 4)
     params = list(model.model.visual.parameters()) + list(head.parameters())
@@ -68,7 +69,7 @@ def train_vision_stage(model, processor, rng, steps: int, batch: int, lr: float,
         shrink = min(1.0, step / (0.6 * steps))
         lo, hi = round(40 - 28 * shrink), round(48 - 28 * shrink)
         specs = [random_spec(rng, (lo, hi), pairs=1) for _ in range(batch)]
-        pairs = [torch.from_numpy(render_video(rng, s, num_frames=2)).permute(0, 3, 1, 2) for s in specs]
+        pairs = [torch.from_numpy(render_video(rng, s, cue=bool(cue_fraction and rng.random() < cue_fraction), num_frames=2)).permute(0, 3, 1, 2) for s in specs]
         video = processor.video_processor(videos=pairs, do_resize=False, do_sample_frames=False, return_tensors="pt")
         features = model.model.get_video_features(video["pixel_values_videos"], video["video_grid_thw"]).pooler_output
         logits = head(torch.stack([f.max(dim=0).values for f in features]))
@@ -95,7 +96,8 @@ def sample_scales(rng: np.random.Generator, pairs: int, evidence: int) -> np.nda
     return np.repeat(pair_scales, 2)
 
 
-def train_answer_stage(adapter: Qwen25VLAdapter, rng, steps: int, batch: int, lr: float, progress: bool, full_curriculum: bool = False) -> list[float]:
+def train_answer_stage(adapter: Qwen25VLAdapter, rng, steps: int, batch: int, lr: float, progress: bool, full_curriculum: bool = False,
+                       cue_fraction: float = 0.0) -> list[float]:  # fmt: skip
     """Stage 2: the whole model on the answer letter, through per-pair inputs (`full_curriculum`:
     up to all pairs from the first step, when continuing a trained model)."""
     model, tok = adapter.model, adapter.tokenizer
@@ -115,7 +117,7 @@ def train_answer_stage(adapter: Qwen25VLAdapter, rng, steps: int, batch: int, lr
         for _ in range(batch):
             pairs = int(rng.integers(1, max_pairs + 1))
             spec = random_spec(rng, pairs=pairs)
-            frames = render_video(rng, spec, num_frames=2 * pairs)
+            frames = render_video(rng, spec, cue=bool(cue_fraction and rng.random() < cue_fraction), num_frames=2 * pairs)
             video = DecodedVideo(frames=frames, indices=list(range(2 * pairs)), total_frames=2 * pairs, fps=float(FPS))
             plan = plan_from_scales(sample_scales(rng, pairs, spec.evidence_pair), (SIZE, SIZE), adapter.grid, min_tokens_per_pair=1)
             inputs = adapter.build_inputs(prompt, video, plan)
@@ -131,9 +133,9 @@ def train_answer_stage(adapter: Qwen25VLAdapter, rng, steps: int, batch: int, lr
 
 
 def train_backbone(out: str | Path, stage1_steps: int = 500, stage2_steps: int = 700, batch: int = 16, seed: int = 0, init: str | None = None,
-                   lr: float = 1e-3, progress: bool = True) -> Path:  # fmt: skip
+                   lr: float = 1e-3, cue_fraction: float = 0.0, progress: bool = True) -> Path:  # fmt: skip
     """Train both stages (or continue from the `init` folder) and `save_pretrained` model and
-    processor to `out`."""
+    processor to `out`; `cue_fraction`: share of training videos rendered with the cue."""
     torch.manual_seed(seed)
     rng = np.random.default_rng(seed)
     if init:
@@ -143,15 +145,15 @@ def train_backbone(out: str | Path, stage1_steps: int = 500, stage2_steps: int =
         model, processor = build_needle_backbone(seed)
     model.train()
     t0 = time.perf_counter()
-    train_vision_stage(model, processor, rng, stage1_steps, batch, 2e-3, progress)
+    train_vision_stage(model, processor, rng, stage1_steps, batch, 2e-3, progress, cue_fraction)
     adapter = Qwen25VLAdapter(model, processor)
-    train_answer_stage(adapter, rng, stage2_steps, max(1, batch // 2), lr, progress, full_curriculum=bool(init))
+    train_answer_stage(adapter, rng, stage2_steps, max(1, batch // 2), lr, progress, full_curriculum=bool(init), cue_fraction=cue_fraction)
     model.eval()
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out)
     processor.save_pretrained(out)
     with open(out / "training.txt", "a") as log:
-        log.write(f"init={init} seed={seed} stage1_steps={stage1_steps} stage2_steps={stage2_steps} batch={batch} lr={lr} seconds={time.perf_counter() - t0:.0f}\n")
+        log.write(f"init={init} seed={seed} stage1_steps={stage1_steps} stage2_steps={stage2_steps} batch={batch} lr={lr} cue_fraction={cue_fraction} seconds={time.perf_counter() - t0:.0f}\n")
     return out
 
