@@ -134,8 +134,9 @@ class VideoPipeline:
         so the tokens stay within `retention` x the candidates' vanilla tokens). Returns the kept
         frames, their plan, and the candidates' vanilla tokens (the reference for R)."""
         cfg, grid = self.config, self.adapter.grid
-        raw = self.policy.raw_scales(video.frames, query, context.setdefault("timings", {}))
-        context["raw_scales"] = raw
+        if "raw_scales" not in context:
+            context["raw_scales"] = self.policy.raw_scales(video.frames, query, context.setdefault("timings", {}))
+        raw = context["raw_scales"]
         positions = select_frames(raw, cfg.top_k, cfg.score_threshold)  # sorted, into the candidates
         base = self.base_hw(video)
         reference = plan_from_scales(np.ones(len(video.indices)), base, grid, **cfg.budget.plan_bounds).reference_tokens
@@ -158,23 +159,11 @@ class VideoPipeline:
         scales = self.policy(len(video.indices), base_hw, self.adapter.grid, self.config.budget, context)
         return plan_from_scales(scales, base_hw, self.adapter.grid, **self.config.budget.plan_bounds)
 
-    def run(self, video_path: str, prompt: str, query: str = "", gen_kwargs: dict | None = None, record: SampleRecord | None = None) -> tuple[str, SampleRecord]:
-        """Answer `prompt` (chat text with one video placeholder) about the video at `video_path`.
-
-        Errors propagate; `record` is filled as far as the request got.
-        """
-        record = record or SampleRecord(doc_id=None, task=None, method=self.config.method)
-        record.video = str(video_path)
-        record.target_retention = self.config.budget.retention
-
-        selecting = self.config.operator != "resize"
-        t0 = time.perf_counter()
-        video = decode_video(video_path, self.config.candidates if selecting else self.config.max_num_frames)
-        record.decode_s = time.perf_counter() - t0
-
-        t0 = time.perf_counter()
-        context = {"timings": {}}
-        if selecting:
+    def prepare(self, video: DecodedVideo, query: str, record: SampleRecord, context: dict) -> tuple[DecodedVideo, ResizePlan]:
+        """Frames and resize plan for one decoded video under this pipeline's method; fills the
+        record's plan fields (frames, scales, sizes, grids, reference tokens). An Allocator's
+        scales already in `context["raw_scales"]` (batched by `run_batch`) are used as they are."""
+        if self.config.operator != "resize":
             record.candidates = len(video.indices)
             video, plan, reference = self.select(video, query, context)
         else:
@@ -189,6 +178,43 @@ class VideoPipeline:
         record.pair_sizes = [list(hw) for hw in plan.pair_sizes]
         record.grids = [list(g) for g in plan.grids]
         record.reference_tokens = reference
+        return video, plan
+
+    def decode(self, video_path: str, record: SampleRecord) -> DecodedVideo:
+        """Decode the frames this method starts from (all candidates when selecting frames)."""
+        record.video = str(video_path)
+        record.target_retention = self.config.budget.retention
+        t0 = time.perf_counter()
+        video = decode_video(video_path, self.config.candidates if self.config.operator != "resize" else self.config.max_num_frames)
+        record.decode_s = time.perf_counter() - t0
+        return video
+
+    def stage_times(self, record: SampleRecord, context: dict, t0: float) -> None:
+        """Record the stage times left in `context` and the preprocessing seconds since `t0`
+        (planning and input building, the Allocator's own stages excluded)."""
+        for name, seconds in context["timings"].items():
+            setattr(record, name, seconds)
+        allocator_s = record.allocator_text_s + record.allocator_visual_s + record.allocator_predict_s
+        record.preprocess_s = time.perf_counter() - t0 - allocator_s
+
+    def count_tokens(self, input_ids: list[int], plan: ResizePlan, record: SampleRecord) -> None:
+        """Record what entered the LLM: the video placeholders among the prompt's `input_ids`,
+        and the retention they achieve against the record's reference tokens."""
+        record.visual_tokens = input_ids.count(self.adapter.processor.video_token_id)
+        record.achieved_retention = record.visual_tokens / record.reference_tokens
+        record.frame_budget = record.visual_tokens / (self.adapter.grid.tokens(*plan.base_hw) / self.adapter.grid.temporal_patch)
+        record.input_tokens = len(input_ids)
+
+    def run(self, video_path: str, prompt: str, query: str = "", gen_kwargs: dict | None = None, record: SampleRecord | None = None) -> tuple[str, SampleRecord]:
+        """Answer `prompt` (chat text with one video placeholder) about the video at `video_path`.
+
+        Errors propagate; `record` is filled as far as the request got.
+        """
+        record = record or SampleRecord(doc_id=None, task=None, method=self.config.method)
+        video = self.decode(video_path, record)
+        t0 = time.perf_counter()
+        context = {"timings": {}}
+        video, plan = self.prepare(video, query, record, context)
         if self.config.method in COMPRESSION_METHODS:
             from .baselines import COMPRESSORS, NEEDS_ATTENTION
 
@@ -199,17 +225,57 @@ class VideoPipeline:
             record.merged_sizes = sizes.tolist()
         else:
             inputs = self.adapter.build_inputs(prompt, video, plan, timings=context["timings"])
-        for name, seconds in context["timings"].items():
-            setattr(record, name, seconds)
-        allocator_s = record.allocator_text_s + record.allocator_visual_s + record.allocator_predict_s
-        record.preprocess_s = time.perf_counter() - t0 - allocator_s
+        self.stage_times(record, context, t0)
         # Tokens that actually enter the LLM: the video placeholders of the built prompt.
-        record.visual_tokens = int((inputs["input_ids"] == self.adapter.processor.video_token_id).sum())
-        record.achieved_retention = record.visual_tokens / record.reference_tokens
-        record.frame_budget = record.visual_tokens / (self.adapter.grid.tokens(*plan.base_hw) / self.adapter.grid.temporal_patch)
-        record.input_tokens = int(inputs["input_ids"].shape[1])
-
+        self.count_tokens(inputs["input_ids"][0].tolist(), plan, record)
         return self._generate(inputs, gen_kwargs, record)
+
+    def run_batch(self, jobs: list[tuple[str, str, str, SampleRecord]], gen_kwargs: list[dict]) -> list[tuple[str, SampleRecord]]:
+        """Answer a chunk of (video_path, prompt, query, record) jobs with a batch engine
+        (`VLLMBackbone`): decode every video, run the Allocator once over the chunk (its stage
+        times shared equally by the chunk's samples), build one request per sample, generate
+        them together. A job that fails is returned with an empty answer and `record.error`
+        set; the others go on. `generate_s` is the chunk's generation time shared equally."""
+        if self.config.method in COMPRESSION_METHODS:
+            raise ValueError(f"method={self.config.method} compresses tokens inside the model: it runs on the HF path only")
+        results: list[tuple[str, SampleRecord]] = [("", record) for _, _, _, record in jobs]
+        decoded = {}
+        for i, (path, _, _, record) in enumerate(jobs):
+            try:
+                decoded[i] = self.decode(path, record)
+            except Exception as exc:
+                record.error = f"{type(exc).__name__}: {exc}"
+        contexts = {i: {"timings": {}} for i in decoded}
+        if self.config.method == "resadapt" and decoded:
+            order = list(decoded)
+            raw, timings = self.policy.raw_scales_batch([decoded[i].frames for i in order], [jobs[i][2] for i in order])
+            for i, scales in zip(order, raw):
+                contexts[i].update(raw_scales=scales, timings=dict(timings))
+        requests, built = [], []
+        for i, video in decoded.items():
+            _, prompt, query, record = jobs[i]
+            try:
+                t0 = time.perf_counter()
+                video, plan = self.prepare(video, query, record, contexts[i])
+                requests.append(self.adapter.build_request(prompt, video, plan, timings=contexts[i]["timings"]))
+                self.stage_times(record, contexts[i], t0)
+                built.append((i, plan))
+            except Exception as exc:
+                record.error = f"{type(exc).__name__}: {exc}"
+        if requests:
+            t0 = time.perf_counter()
+            outputs = self.adapter.generate_batch(requests, [gen_kwargs[i] for i, _ in built])
+            share = (time.perf_counter() - t0) / len(requests)
+            for (i, plan), (text, prompt_ids, n_out) in zip(built, outputs):
+                record = jobs[i][3]
+                # Tokens that actually entered the LLM: the engine's own prompt ids.
+                self.count_tokens(list(prompt_ids), plan, record)
+                record.generate_s, record.output_tokens = share, n_out
+                if record.visual_tokens != plan.visual_tokens:
+                    record.error = f"the engine's prompt holds {record.visual_tokens} video placeholders, the plan counts {plan.visual_tokens}"
+                    continue
+                results[i] = (text, record)
+        return results
 
     def _generate(self, inputs: dict, gen_kwargs: dict | None, record: SampleRecord) -> tuple[str, SampleRecord]:
         t0 = time.perf_counter()
@@ -242,9 +308,7 @@ class VideoPipeline:
         record.grids = [list(p.grids[0]) for p in plans]
         record.reference_tokens = sum(p.reference_tokens for p in plans)
         inputs = self.adapter.build_image_inputs(prompt, frames, plans, timings=context["timings"])
-        for name, seconds in context["timings"].items():
-            setattr(record, name, seconds)
-        record.preprocess_s = time.perf_counter() - t0 - (record.allocator_text_s + record.allocator_visual_s + record.allocator_predict_s)
+        self.stage_times(record, context, t0)
         record.visual_tokens = int((inputs["input_ids"] == self.adapter.processor.image_token_id).sum())
         record.achieved_retention = record.visual_tokens / record.reference_tokens
         record.frame_budget = record.visual_tokens / sum(self.adapter.grid.tokens(*p.base_hw) for p in plans) * len(plans)

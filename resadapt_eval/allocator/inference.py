@@ -37,30 +37,48 @@ class AllocatorPolicy:
             raise ValueError(f"allocator inference must be one of {INFERENCE_MODES}, got {mode!r}")
         self.allocator, self.mode, self.quantile, self.seed = allocator, mode, quantile, seed
 
-    @torch.no_grad()
     def raw_scales(self, frames: np.ndarray, query: str, timings: dict) -> np.ndarray:
-        """The Allocator's scales s_t for uint8 frames (T, H, W, 3) and a query, before projection."""
-        enc = self.allocator.encoders
-        t0 = time.perf_counter()
-        text, text_mask = enc.encode_text([query])
-        t1 = time.perf_counter()
-        feats = enc.encode_frames(torch.from_numpy(np.ascontiguousarray(frames)))[None]
-        t2 = time.perf_counter()
-        mask = torch.ones(feats.shape[:2], dtype=torch.bool, device=feats.device)
-        p1, p2 = self.allocator(feats, mask, text, text_mask)
-        a = self.allocator.latent_actions(p1[0], p2[0], self.mode, self.quantile, self.seed)
-        scales = self.allocator.to_scale(a).double().cpu().numpy()
-        timings.update(allocator_text_s=t1 - t0, allocator_visual_s=t2 - t1, allocator_predict_s=time.perf_counter() - t2)
+        """The Allocator's scales s_t for uint8 frames (T, H, W, 3) and a query, before
+        projection; the stage seconds go into `timings`."""
+        (scales,), stage_seconds = self.raw_scales_batch([frames], [query])
+        timings.update(stage_seconds)
         return scales
 
+    @torch.no_grad()
+    def raw_scales_batch(self, frames: list[np.ndarray], queries: list[str]) -> tuple[list[np.ndarray], dict]:
+        """`raw_scales` for several videos in one pass: one text encode, one visual encode of all
+        frames, one Allocator forward over the padded batch. Returns the scales per video and
+        the stage seconds divided equally among the videos."""
+        enc = self.allocator.encoders
+        t0 = time.perf_counter()
+        text, text_mask = enc.encode_text(list(queries))
+        t1 = time.perf_counter()
+        lengths = [len(f) for f in frames]
+        flat = enc.encode_frames(torch.from_numpy(np.ascontiguousarray(np.concatenate(frames))))
+        t2 = time.perf_counter()
+        feats = flat.new_zeros(len(frames), max(lengths), flat.shape[-1])
+        mask = torch.zeros(feats.shape[:2], dtype=torch.bool, device=flat.device)
+        for i, chunk in enumerate(flat.split(lengths)):
+            feats[i, : len(chunk)], mask[i, : len(chunk)] = chunk, True
+        p1, p2 = self.allocator(feats, mask, text, text_mask)
+        scales = []
+        for i, n in enumerate(lengths):
+            a = self.allocator.latent_actions(p1[i, :n], p2[i, :n], self.mode, self.quantile, self.seed)
+            scales.append(self.allocator.to_scale(a).double().cpu().numpy())
+        n = len(frames)
+        timings = dict(allocator_text_s=(t1 - t0) / n, allocator_visual_s=(t2 - t1) / n, allocator_predict_s=(time.perf_counter() - t2) / n)
+        return scales, timings
+
     def __call__(self, num_frames: int, base_hw: tuple[int, int], grid: TokenGrid, spec: BudgetSpec, context: dict) -> np.ndarray:
+        """Scales for `context["video"]`: the Allocator's (or those already in
+        `context["raw_scales"]`), projected onto the target retention when there is one."""
         timings = context.setdefault("timings", {})
-        video = context["video"]
-        scales = self.raw_scales(video.frames, context.get("query", ""), timings)
-        context["raw_scales"] = scales
+        if "raw_scales" not in context:
+            context["raw_scales"] = self.raw_scales(context["video"].frames, context.get("query", ""), timings)
+        scales = context["raw_scales"]
         if spec.retention is None:
             return np.clip(scales, spec.s_min, spec.s_max)
         t0 = time.perf_counter()
         projected = project_to_retention(scales, spec.retention, base_hw, grid, spec.s_min, spec.s_max, **spec.plan_bounds)
-        timings["allocator_predict_s"] += time.perf_counter() - t0
+        timings["allocator_predict_s"] = timings.get("allocator_predict_s", 0.0) + time.perf_counter() - t0
         return projected

@@ -8,8 +8,9 @@ pixels equal the stock single-video path.
 
 Positions: Qwen3-VL's stock rope already gives every pair its own temporal group (the processor
 writes a `<t seconds>` timestamp per pair). Qwen2.5-VL's stock rope treats a run of video tokens
-as one video, so `Qwen25VLAdapter` builds the M-RoPE positions itself: pair k keeps the stock
-temporal index of pair k, and its h/w indices span its own merged grid.
+as one video, so `Qwen25VLAdapter` builds the M-RoPE positions itself (`mrope.py`, shared with the
+vLLM engine): pair k keeps the stock temporal index of pair k, and its h/w indices span its own
+merged grid.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from transformers.vision_utils import get_vision_window_index
 
 from ..budget.plan import QWEN3VL_GRID, QWEN25VL_GRID, ResizePlan, TokenGrid
 from ..video import DecodedVideo
+from .mrope import VisionRun, qwen25_mrope_positions
 
 VIDEO_PAD = "<|video_pad|>"
 IMAGE_PAD = "<|image_pad|>"
@@ -259,42 +261,27 @@ class Qwen25VLAdapter(QwenVideoAdapter):
     vision_rotary = staticmethod(qwen25_vision_rotary)
 
     def pair_metadata(self, video: DecodedVideo, plan: ResizePlan) -> list[VideoMetadata]:
-        # Each 2-frame item runs at the sampled frame rate, so the processor's
-        # second_per_grid_ts equals the stock single-video value (2 / sampled_fps).
-        return [VideoMetadata(total_num_frames=2, fps=video.sampled_fps, frames_indices=[0, 1]) for _ in plan.pair_sizes]
+        """One 2-frame item per pair whose frame rate makes the processor's `second_per_grid_ts`
+        the seconds from this pair's first frame to the next pair's: 2 / sampled_fps for
+        uniformly spaced frames (the stock single-video value); after frame selection, the real
+        gaps (the last pair takes 2 / sampled_fps of the kept frames)."""
+        tail = self.processor.video_processor.temporal_patch_size / video.sampled_fps
+        seconds = [(video.indices[group[0]] - video.indices[0]) / video.fps for group in plan.pair_frames]
+        gaps = [b - a for a, b in zip(seconds[:-1], seconds[1:])] + [tail] if not video.uniform else [tail] * len(seconds)
+        patch = self.processor.video_processor.temporal_patch_size
+        return [VideoMetadata(total_num_frames=2, fps=patch / gap, frames_indices=[0, 1]) for gap in gaps]
 
     def position_ids(self, inputs, plan: ResizePlan, video: DecodedVideo) -> torch.Tensor:
-        """Stock Qwen2.5-VL M-RoPE generalised to one grid per pair.
-
-        Text before the video: 0..s-1 on all three axes. Pair k: t = s + floor(k * tokens_per_second
-        * second_per_grid_ts) for uniformly spaced frames (the stock value), or s +
-        floor(tokens_per_second * seconds from the first frame to pair k's first frame) after frame
-        selection; h/w = s + row/col of its own merged grid. Text after the video continues from
-        s + max_k max(h_k, w_k), which is the stock rule when all pairs are equal.
-        """
+        """Stock Qwen2.5-VL M-RoPE generalised to one grid per pair (see `qwen25_mrope_positions`)."""
         input_ids = inputs["input_ids"][0]
         is_video = inputs["mm_token_type_ids"][0] == VIDEO_TOKEN_TYPE
         video_at = torch.nonzero(is_video).flatten()
         start, end = int(video_at[0]), int(video_at[-1]) + 1
         if int(is_video[start:end].sum()) != end - start or int(is_video.sum()) != plan.visual_tokens:
             raise ValueError("expected one contiguous run of video tokens holding the whole plan")
-        tokens_per_second = self.model.config.vision_config.tokens_per_second
-        if video.uniform:
-            time_interval = tokens_per_second * inputs["second_per_grid_ts"][0]
-            temporal = (torch.arange(len(plan.grids), device=input_ids.device) * time_interval).long()
-        else:
-            seconds = torch.tensor([(video.indices[group[0]] - video.indices[0]) / video.fps for group in plan.pair_frames], dtype=torch.float64)
-            temporal = (seconds * tokens_per_second).floor().long()
-        blocks = []
-        for k, (_, h, w) in enumerate(plan.grids):
-            hh, ww = torch.meshgrid(torch.arange(h), torch.arange(w), indexing="ij")
-            t = torch.full((h * w,), int(temporal[k]))
-            blocks.append(torch.stack([t, hh.flatten(), ww.flatten()]) + start)
-        video_pos = torch.cat(blocks, dim=1).to(input_ids.device)
-        after = start + max(max(h, w) for _, h, w in plan.grids)
-        text_before = torch.arange(start, device=input_ids.device).expand(3, -1)
-        text_after = (torch.arange(len(input_ids) - end, device=input_ids.device) + after).expand(3, -1)
-        return torch.cat([text_before, video_pos, text_after], dim=1).unsqueeze(1)
+        run = VisionRun(offset=start, grids=list(plan.grids), second_per_grid_ts=inputs["second_per_grid_ts"].tolist())
+        positions = qwen25_mrope_positions(len(input_ids), [run], self.model.config.vision_config.tokens_per_second)
+        return positions.to(input_ids.device).unsqueeze(1)
 
     def unit_order(self, grid_thw: torch.Tensor) -> torch.Tensor:
         """The vision tower runs its blocks in window order; its merger output is put back with

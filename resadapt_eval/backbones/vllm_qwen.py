@@ -1,0 +1,47 @@
+"""vLLM model class for Qwen2.5-VL with our per-pair M-RoPE layout.
+
+vLLM positions every video item as its own block, each starting after the previous block's
+largest index, so per-pair items would not get the HF path's (stock single-video) positions.
+`ResAdaptQwen2_5_VLForConditionalGeneration` is vLLM's own Qwen2.5-VL class with one method
+overridden, `get_mrope_input_positions` (vLLM's `SupportsMRoPE` interface), computing positions
+with the rule the HF adapter uses (`mrope.qwen25_mrope_positions`). It is registered with vLLM's
+`ModelRegistry` by `vllm_plugin.register`, which vLLM calls in every process through the
+`vllm.general_plugins` entry point; `VLLMBackbone` selects it with `hf_overrides`.
+
+Qwen3-VL needs no override: its per-pair timestamps make vLLM's layout equal the HF path's
+(checked by tests/test_vllm.py).
+"""
+
+from __future__ import annotations
+
+import torch
+from vllm.model_executor.models.qwen2_5_vl import Qwen2_5_VLForConditionalGeneration
+
+from .mrope import VisionRun, qwen25_mrope_positions
+
+
+def vision_runs(mm_features, spatial_merge_size: int) -> list[VisionRun]:
+    """Group vLLM's multimodal features into runs of back-to-back items (in prompt order)."""
+    runs: list[VisionRun] = []
+    for feature in sorted(mm_features, key=lambda f: f.mm_position.offset):
+        data = feature.data
+        t, h, w = data[f"{feature.modality}_grid_thw"].data.tolist()
+        grid = (t, h // spatial_merge_size, w // spatial_merge_size)
+        seconds = data["second_per_grid_ts"].data.item() if feature.modality == "video" and data.get("second_per_grid_ts") else 1.0
+        offset = feature.mm_position.offset
+        if feature.modality == "video" and runs and runs[-1].offset + runs[-1].num_tokens == offset:
+            runs[-1].grids.append(grid)
+            runs[-1].second_per_grid_ts.append(seconds)
+        else:
+            runs.append(VisionRun(offset=offset, grids=[grid], second_per_grid_ts=[seconds]))
+    return runs
+
+
+class ResAdaptQwen2_5_VLForConditionalGeneration(Qwen2_5_VLForConditionalGeneration):
+    """vLLM's Qwen2.5-VL with the HF path's M-RoPE layout for per-pair video items."""
+
+    def get_mrope_input_positions(self, input_tokens: list[int], mm_features) -> tuple[torch.Tensor, int]:
+        vision = self.config.vision_config
+        runs = vision_runs(mm_features, vision.spatial_merge_size)
+        positions = qwen25_mrope_positions(len(input_tokens), runs, getattr(vision, "tokens_per_second", 1.0))
+        return positions, int(positions.max()) + 1 - len(input_tokens)
