@@ -46,19 +46,26 @@ class AllocatorPolicy:
 
     @torch.no_grad()
     def raw_scales_batch(self, frames: list[np.ndarray], queries: list[str]) -> tuple[list[np.ndarray], dict]:
-        """`raw_scales` for several videos in one pass: one text encode, one visual encode of all
-        frames, one Allocator forward over the padded batch. Returns the scales per video and
+        """`raw_scales` for several videos in one pass: one text encode, one visual encode per
+        frame size, one Allocator forward over the padded batch. Returns the scales per video and
         the stage seconds divided equally among the videos."""
         enc = self.allocator.encoders
         t0 = time.perf_counter()
         text, text_mask = enc.encode_text(list(queries))
         t1 = time.perf_counter()
         lengths = [len(f) for f in frames]
-        flat = enc.encode_frames(torch.from_numpy(np.ascontiguousarray(np.concatenate(frames))))
+        encoded = [None] * len(frames)
+        by_shape = {}  # videos of one frame size are encoded in one call
+        for i, f in enumerate(frames):
+            by_shape.setdefault(f.shape[1:], []).append(i)
+        for group in by_shape.values():
+            flat = enc.encode_frames(torch.from_numpy(np.ascontiguousarray(np.concatenate([frames[i] for i in group]))))
+            for i, chunk in zip(group, flat.split([lengths[i] for i in group])):
+                encoded[i] = chunk
         t2 = time.perf_counter()
-        feats = flat.new_zeros(len(frames), max(lengths), flat.shape[-1])
-        mask = torch.zeros(feats.shape[:2], dtype=torch.bool, device=flat.device)
-        for i, chunk in enumerate(flat.split(lengths)):
+        feats = encoded[0].new_zeros(len(frames), max(lengths), encoded[0].shape[-1])
+        mask = torch.zeros(feats.shape[:2], dtype=torch.bool, device=feats.device)
+        for i, chunk in enumerate(encoded):
             feats[i, : len(chunk)], mask[i, : len(chunk)] = chunk, True
         p1, p2 = self.allocator(feats, mask, text, text_mask)
         scales = []

@@ -19,6 +19,7 @@ METHOD_PREFIXES = {
     "flashvid": ("flashvid", "FlashVid"),
 }
 MODULE = "resadapt_eval.lmms.models"
+VLLM_MODULE = "resadapt_eval.lmms.vllm_models"
 
 
 def class_name(method: str, backbone: str) -> str:
@@ -27,8 +28,11 @@ def class_name(method: str, backbone: str) -> str:
 
 
 def model_names() -> dict[str, str]:
-    """lmms-eval model name -> class path. `resadapt_<backbone>` is the any-method class."""
-    return {f"{prefix}_{backbone}": f"{MODULE}.{class_name(method, backbone)}" for method, (prefix, _) in METHOD_PREFIXES.items() for backbone in BACKBONES}
+    """lmms-eval model name -> class path. `resadapt_<backbone>` is the any-method class;
+    `resadapt_<backbone>_vllm` the same on the vLLM engine (vanilla, fixed_scale, resadapt)."""
+    names = {f"{prefix}_{backbone}": f"{MODULE}.{class_name(method, backbone)}" for method, (prefix, _) in METHOD_PREFIXES.items() for backbone in BACKBONES}
+    names.update({f"resadapt_{backbone}_vllm": f"{VLLM_MODULE}.ResAdapt{stem}VLLM" for backbone, stem in BACKBONES.items()})
+    return names
 
 
 def manifests() -> list:

@@ -132,10 +132,14 @@ class ResAdaptQwen(lmms):
             top_k=_none_or(top_k, int),
             score_threshold=_none_or(score_threshold, float),
         )
-        adapter = self.adapter_cls.from_pretrained(str(pretrained), device=device, dtype=dtype, attn_implementation=_none_or(attn_implementation, str))
-        self.pipeline = VideoPipeline(adapter, config)
+        backbone = self._build_backbone(str(pretrained), config, device=device, dtype=dtype, attn_implementation=_none_or(attn_implementation, str))
+        self.pipeline = VideoPipeline(backbone, config)
         self.batch_size_per_gpu = 1
         self.sidecar_path = self._sidecar_path(sidecar_dir, str(pretrained))
+
+    def _build_backbone(self, pretrained: str, config: VideoPipelineConfig, device: str, dtype: str, attn_implementation: str | None):
+        """The engine `VideoPipeline` drives: here the HF adapter."""
+        return self.adapter_cls.from_pretrained(pretrained, device=device, dtype=dtype, attn_implementation=attn_implementation)
 
     def _sidecar_path(self, sidecar_dir: str | None, pretrained: str) -> Path:
         if sidecar_dir is None:
@@ -158,28 +162,43 @@ class ResAdaptQwen(lmms):
         self._log_run(records)
         return results
 
-    def _answer(self, request: Instance) -> tuple[str, SampleRecord]:
+    def _parse(self, request: Instance) -> tuple[str, str, list, list, dict]:
+        """(chat prompt text, user query, images, videos, lmms-eval gen_kwargs) of a request."""
         _, doc_to_messages, gen_kwargs, doc_id, task, split = request.args
-        record = SampleRecord(doc_id=doc_id, task=task, method=self.method)
+        messages = ChatMessages(messages=doc_to_messages(self.task_dict[task][split][doc_id]))
+        images, videos, _ = messages.extract_media()
+        if (images and videos) or len(videos) > 1 or not (images or videos):
+            raise ValueError(f"expected one video or one or more images, got {len(videos)} video(s) and {len(images)} image(s)")
+        hf_messages = messages.to_hf_messages()
+        prompt = self.pipeline.adapter.processor.apply_chat_template(hf_messages, tokenize=False, add_generation_prompt=True)
+        query = " ".join(part["text"] for m in hf_messages if m["role"] == "user" for part in m["content"] if part["type"] == "text")
+        return prompt, query, images, videos, gen_kwargs
+
+    def _new_record(self, request: Instance) -> SampleRecord:
+        _, _, _, doc_id, task, _ = request.args
+        return SampleRecord(doc_id=doc_id, task=task, method=self.method)
+
+    def _failed(self, record: SampleRecord, exc: Exception | None = None) -> tuple[str, SampleRecord]:
+        """Record a failed sample, from `exc` or its `record.error` (or raise, with strict=True);
+        the run goes on."""
+        if self.strict:
+            raise exc or RuntimeError(record.error)
+        if exc is not None:
+            record.error = f"{type(exc).__name__}: {exc}"
+        logger.warning(f"doc {record.doc_id} of {record.task} failed, recorded in {self.sidecar_path}: {record.error}")
+        return "", record
+
+    def _answer(self, request: Instance) -> tuple[str, SampleRecord]:
+        record = self._new_record(request)
         try:
-            messages = ChatMessages(messages=doc_to_messages(self.task_dict[task][split][doc_id]))
-            images, videos, _ = messages.extract_media()
-            if (images and videos) or len(videos) > 1 or not (images or videos):
-                raise ValueError(f"expected one video or one or more images, got {len(videos)} video(s) and {len(images)} image(s)")
-            hf_messages = messages.to_hf_messages()
-            prompt = self.pipeline.adapter.processor.apply_chat_template(hf_messages, tokenize=False, add_generation_prompt=True)
-            query = " ".join(part["text"] for m in hf_messages if m["role"] == "user" for part in m["content"] if part["type"] == "text")
+            prompt, query, images, videos, gen_kwargs = self._parse(request)
             if videos:
                 text, record = self.pipeline.run(videos[0], prompt, query=query, gen_kwargs=_generation_args(gen_kwargs), record=record)
             else:
                 text, record = self.pipeline.run_images(images, prompt, query=query, gen_kwargs=_generation_args(gen_kwargs), record=record)
             return _cut_at_stop(text, gen_kwargs.get("until")), record
         except Exception as exc:
-            if self.strict:
-                raise
-            record.error = f"{type(exc).__name__}: {exc}"
-            logger.warning(f"doc {doc_id} of {task} failed, recorded in {self.sidecar_path}: {record.error}")
-            return "", record
+            return self._failed(record, exc)
 
     def _log_run(self, records: list[SampleRecord]) -> None:
         """Run totals into lmms-eval's results JSON (`throughput`, as avg_resadapt_* keys)."""

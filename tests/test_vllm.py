@@ -1,0 +1,128 @@
+"""The vLLM engine against the HF path (runs in the vLLM environment: `make test-vllm`)."""
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("vllm")
+
+from resadapt_eval.backbones.vllm_engine import VLLMBackbone  # noqa: E402
+from resadapt_eval.budget.plan import plan_from_scales  # noqa: E402
+from resadapt_eval.pipeline import SampleRecord, VideoPipeline, VideoPipelineConfig  # noqa: E402
+from resadapt_eval.budget.policies import BudgetSpec  # noqa: E402
+
+from .test_backbones import chat_prompt, synthetic_video  # noqa: E402
+from .test_lmms_cli import lmms_eval_command, sidecar_records  # noqa: E402
+
+KV_CACHE_BYTES = 64 << 20  # vLLM on CPU otherwise reserves most of the machine's memory
+
+
+@pytest.fixture(scope="module")
+def engines(fixtures_dir):
+    return {family: VLLMBackbone(family, str(fixtures_dir / family), max_num_frames=8, dtype="float32", kv_cache_memory_bytes=KV_CACHE_BYTES) for family in ("qwen25vl", "qwen3vl")}
+
+
+def selected_video():
+    """Non-uniform frames, as after frame selection: file frames 0, 3, 15, 18, 36, 39 at 6 fps."""
+    return synthetic_video(16, height=112, width=140).subset([0, 1, 5, 6, 12, 13])
+
+
+BASE_HW = {"qwen25vl": (112, 140), "qwen3vl": (128, 160)}  # pixels, on each backbone's token grid
+CASES = {
+    "vanilla": (lambda: synthetic_video(8), [1.0] * 8),
+    "fixed_scale": (lambda: synthetic_video(8), [0.5] * 8),
+    "mixed": (lambda: synthetic_video(8), [1.0, 1.0, 0.5, 0.5, 1.5, 1.5, 0.25, 0.25]),
+    "selected_mixed": (selected_video, [1.0, 1.0, 0.5, 0.5, 1.5, 1.5]),
+}
+
+
+@pytest.mark.parametrize("family", ["qwen25vl", "qwen3vl"])
+@pytest.mark.parametrize("case", list(CASES))
+def test_prompt_ids_and_first_token_logprobs_equal_the_hf_path(engines, adapters, family, case):
+    engine, adapter = engines[family], adapters[family]
+    make_video, scales = CASES[case]
+    video = make_video()
+    plan = plan_from_scales(scales, BASE_HW[family], adapter.grid)
+    prompt = chat_prompt(adapter)
+
+    inputs = adapter.build_inputs(prompt, video, plan)
+    with torch.no_grad():
+        adapter.model.model.rope_deltas = None
+        hf_logprobs = torch.log_softmax(adapter.model(**inputs).logits[0, -1].float(), dim=-1)
+
+    request = engine.build_request(prompt, video, plan)
+    (output,) = engine.llm.generate([request], engine.sampling_params(max_new_tokens=1, logprobs=20), use_tqdm=False)
+    assert list(output.prompt_token_ids) == inputs["input_ids"][0].tolist()
+    assert output.prompt_token_ids.count(adapter.processor.video_token_id) == plan.visual_tokens
+    top = output.outputs[0].logprobs[0]
+    assert len(top) >= 20
+    for token, logprob in top.items():
+        assert logprob.logprob == pytest.approx(hf_logprobs[token].item(), abs=1e-4)
+
+
+def test_run_batch_records_the_engines_tokens_and_a_bad_video_fails_alone(engines, fixtures_dir, tmp_path):
+    engine = engines["qwen25vl"]
+    pipeline = VideoPipeline(engine, VideoPipelineConfig(method="fixed_scale", max_num_frames=8, budget=BudgetSpec(retention=0.25)))
+    videos = sorted((fixtures_dir / "smoke_videoqa" / "videos").glob("*.mp4"))[:2]
+    (tmp_path / "broken.mp4").write_bytes(b"not a video")
+    paths = [str(videos[0]), str(tmp_path / "missing.mp4"), str(tmp_path / "broken.mp4"), str(videos[1])]
+    prompt = engine.processor.apply_chat_template(
+        [{"role": "user", "content": [{"type": "video"}, {"type": "text", "text": "What colour is the square?"}]}], tokenize=False, add_generation_prompt=True
+    )
+    jobs = [(path, prompt, "What colour is the square?", SampleRecord(doc_id=i, task="t", method="fixed_scale")) for i, path in enumerate(paths)]
+    results = pipeline.run_batch(jobs, [dict(max_new_tokens=3)] * len(jobs))
+
+    (text0, r0), (_, missing), (_, broken), (text3, r3) = results
+    assert "video not found" in missing.error and "missing.mp4" in missing.error
+    assert "cannot decode video" in broken.error and "broken.mp4" in broken.error
+    for record in (r0, r3):
+        assert record.error is None
+        assert record.visual_tokens == sum(t * h * w for t, h, w in record.grids)
+        assert 0.20 <= record.achieved_retention <= 0.25
+        assert record.achieved_retention == pytest.approx(record.visual_tokens / record.reference_tokens)
+        assert 1 <= record.output_tokens <= 3 and record.generate_s > 0
+
+
+def test_resadapt_batches_the_allocator_over_the_chunk(engines, fixtures_dir):
+    engine = engines["qwen3vl"]
+    config = VideoPipelineConfig(method="resadapt", allocator="builtin", max_num_frames=8, budget=BudgetSpec(retention=0.5))
+    pipeline = VideoPipeline(engine, config)
+    videos = sorted((fixtures_dir / "smoke_videoqa" / "videos").glob("*.mp4"))[:3]
+    prompt = engine.processor.apply_chat_template([{"role": "user", "content": [{"type": "video"}, {"type": "text", "text": "Which colour?"}]}], tokenize=False, add_generation_prompt=True)
+    queries = ["Which colour?", "Where is the square?", "How many squares?"]
+    jobs = [(str(v), prompt, q, SampleRecord(doc_id=i, task="t", method="resadapt")) for i, (v, q) in enumerate(zip(videos, queries))]
+    results = pipeline.run_batch(jobs, [dict(max_new_tokens=2)] * 3)
+
+    single = VideoPipeline(engine, config)
+    for (path, _, query, _), (_, record) in zip(jobs, results):
+        assert record.error is None and record.allocator_visual_s > 0
+        assert record.achieved_retention <= 0.5
+        # the batched Allocator gives each video the scales it gets alone
+        alone = single.policy.raw_scales(single.decode(path, SampleRecord(None, None, "resadapt")).frames, query, {})
+        np.testing.assert_allclose(record.raw_scales, np.round(alone, 6), atol=1e-5)
+
+
+@pytest.mark.parametrize("backbone", ["qwen25vl", "qwen3vl"])
+def test_lmms_eval_cli_runs_the_vllm_models_within_budget(fixtures_dir, tmp_path, backbone):
+    import subprocess
+
+    from .conftest import REPO
+
+    model_args = dict(pretrained=fixtures_dir / backbone, method="fixed_scale", retention=0.25, max_num_frames=8, device="cpu", dtype="float32", kv_cache_memory_bytes=KV_CACHE_BYTES)
+    cmd = lmms_eval_command(f"resadapt_{backbone}_vllm", model_args, "resadapt_smoke_videoqa", str(REPO / "tasks"), tmp_path)
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    records = sidecar_records(tmp_path)
+    assert len(records) == len((fixtures_dir / "smoke_videoqa" / "test.jsonl").read_text().splitlines())
+    for r in records:
+        assert r["error"] is None and r["method"] == "fixed_scale"
+        assert 0.20 <= r["achieved_retention"] <= 0.25
+        assert r["visual_tokens"] == sum(t * h * w for t, h, w in r["grids"])
+    assert list(tmp_path.rglob("*_results.json")), "lmms-eval wrote no results JSON"
+
+
+def test_token_compressors_are_refused_on_the_vllm_path(fixtures_dir):
+    from resadapt_eval.lmms.vllm_models import ResAdaptQwen25VLVLLM
+
+    with pytest.raises(ValueError, match="HF path"):
+        ResAdaptQwen25VLVLLM(pretrained=str(fixtures_dir / "qwen25vl"), method="tome", retention=0.25)
