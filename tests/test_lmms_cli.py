@@ -157,3 +157,19 @@ def test_frame_selection_runs_through_the_cli_with_the_frame_budget(fixtures_dir
         tokens_per_frame = r["reference_tokens"] / 32
         assert r["frame_budget"] == pytest.approx(r["visual_tokens"] / tokens_per_frame)
         assert r["achieved_retention"] == pytest.approx(r["visual_tokens"] / r["reference_tokens"])
+
+
+def test_vllm_models_are_registered_and_say_what_they_need(fixtures_dir):
+    from importlib.util import find_spec
+
+    from lmms_eval.models import get_model
+
+    from resadapt_eval.lmms.vllm_models import ResAdaptQwen3VLVLLM, ResAdaptQwen25VLVLLM
+
+    assert get_model("resadapt_qwen25vl_vllm") is ResAdaptQwen25VLVLLM
+    assert get_model("resadapt_qwen3vl_vllm") is ResAdaptQwen3VLVLLM
+    with pytest.raises(ValueError, match="HF path"):
+        ResAdaptQwen25VLVLLM(pretrained=str(fixtures_dir / "qwen25vl"), method="visionzip", retention=0.25)
+    if find_spec("vllm") is None:  # this environment: the error names the environment to build
+        with pytest.raises(ImportError, match="make test-vllm"):
+            ResAdaptQwen3VLVLLM(pretrained=str(fixtures_dir / "qwen3vl"), method="vanilla")

@@ -120,9 +120,3 @@ def test_lmms_eval_cli_runs_the_vllm_models_within_budget(fixtures_dir, tmp_path
         assert r["visual_tokens"] == sum(t * h * w for t, h, w in r["grids"])
     assert list(tmp_path.rglob("*_results.json")), "lmms-eval wrote no results JSON"
 
-
-def test_token_compressors_are_refused_on_the_vllm_path(fixtures_dir):
-    from resadapt_eval.lmms.vllm_models import ResAdaptQwen25VLVLLM
-
-    with pytest.raises(ValueError, match="HF path"):
-        ResAdaptQwen25VLVLLM(pretrained=str(fixtures_dir / "qwen25vl"), method="tome", retention=0.25)

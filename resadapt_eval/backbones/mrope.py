@@ -68,8 +68,7 @@ def qwen25_mrope_positions(length: int, runs: list[VisionRun], tokens_per_second
             parts.append(torch.stack([torch.full((h * w,), t), hh.flatten(), ww.flatten()]) + start)
         position = start + max(max(h, w) for h, w in groups)
         cursor = run.offset + run.num_tokens
+    if cursor > length:
+        raise ValueError(f"vision runs reach token {cursor}, beyond the prompt's {length}")
     parts.append(torch.arange(length - cursor).expand(3, -1) + position)
-    positions = torch.cat(parts, dim=1)
-    if positions.shape[1] != length:
-        raise ValueError(f"vision runs cover {cursor} tokens, beyond the prompt's {length}")
-    return positions
+    return torch.cat(parts, dim=1)
