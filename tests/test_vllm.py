@@ -101,6 +101,12 @@ def test_resadapt_batches_the_allocator_over_the_chunk(engines, fixtures_dir):
         alone = single.policy.raw_scales(single.decode(path, SampleRecord(None, None, "resadapt")).frames, query, {})
         np.testing.assert_allclose(record.raw_scales, np.round(alone, 6), atol=1e-5)
 
+    # frame selection on the same engine: 8 candidates scored in the batch, the best 4 kept
+    selecting = VideoPipeline(engine, VideoPipelineConfig(method="resadapt", allocator="builtin", operator="select", candidates=8, top_k=4))
+    for _, record in selecting.run_batch(jobs, [dict(max_new_tokens=2)] * 3):
+        assert record.error is None and record.candidates == 8 and record.num_frames == 4 and len(record.raw_scales) == 8
+        assert record.visual_tokens == sum(t * h * w for t, h, w in record.grids)
+
 
 @pytest.mark.parametrize("backbone", ["qwen25vl", "qwen3vl"])
 def test_lmms_eval_cli_runs_the_vllm_models_within_budget(fixtures_dir, tmp_path, backbone):
