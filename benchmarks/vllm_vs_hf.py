@@ -13,8 +13,6 @@ Seconds run from the video path to the answer (decode, plan, resize, model). Med
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 from pathlib import Path
 
 import torch
@@ -23,19 +21,10 @@ from resadapt_eval.backbones.qwen import ADAPTERS
 from resadapt_eval.budget.policies import BudgetSpec
 from resadapt_eval.fixtures import ensure_fixtures
 from resadapt_eval.pipeline import SampleRecord, VideoPipeline, VideoPipelineConfig
+from timing import median_seconds
 
 REPO = Path(__file__).resolve().parents[1]
 KV_CACHE_BYTES = 256 << 20
-
-
-def median_seconds(fn, repeats: int) -> float:
-    fn()  # warm-up
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
 
 
 def main() -> None:
