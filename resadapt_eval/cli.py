@@ -1,4 +1,4 @@
-"""`resadapt-eval` command line: fixtures | demo | sweep | tables | plots | train | needle."""
+"""`resadapt-eval` command line: fixtures | demo | sweep | tables | plots | train | needle (make-data | train-backbone | train-allocator | report)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from .fixtures import ensure_fixtures, write_fixtures
+from .fixtures import write_fixtures
 
 ALL_METHODS = "vanilla,fixed_scale,random_drop,tome,visionzip,flashvid,resadapt"
 
@@ -62,16 +62,21 @@ def cmd_plots(args) -> int:
 
 
 def cmd_demo(args) -> int:
+    """The needle benchmark end to end on the committed weights: cued test videos (written if
+    missing), a sweep through the real lmms-eval CLI, tables, plots and the needle report."""
+    from .needle.data import ensure_test_split
+
     root = Path(args.repo).resolve()
-    ensure_fixtures(root / "fixtures")
+    data = ensure_test_split(root / "fixtures" / "needle", args.limit)
     out = Path(args.out).resolve()
-    card = str(root / "model_cards" / "tiny-qwen25vl.yaml")
+    card = str(root / "model_cards" / "needle-qwen25vl.yaml")
     common = argparse.Namespace(run_dir=str(out), out=None, paper=False, paper_dir=str(root / "results" / "paper"))
-    status = cmd_sweep(argparse.Namespace(card=card, methods=args.methods, retention=args.retention, frames=None, tasks=None, output=str(out), launcher=None, limit=None))
+    status = cmd_sweep(argparse.Namespace(card=card, methods=args.methods, retention=args.retention, frames=None, tasks=None, output=str(out), launcher=None, limit=args.limit))
     cmd_tables(common)
     cmd_plots(common)
-    print("The tiny Qwen2.5-VL is random: its accuracy is noise. Token counts and R are exact.")
-    print(f"Outputs: {out} (cells with lmms-eval results and resadapt sidecars, tables/, plots/)")
+    cmd_needle_report(argparse.Namespace(run_dir=str(out), data=str(data), out=None))
+    print(f"Needle benchmark on the first {args.limit} cued test videos (full benchmark: README, 'The needle benchmark').")
+    print(f"Outputs: {out} (cells with lmms-eval results and resadapt sidecars, tables/, plots/, needle/)")
     return status
 
 
@@ -100,8 +105,28 @@ def cmd_needle_make_data(args) -> int:
 def cmd_needle_train_backbone(args) -> int:
     from .needle.train_backbone import train_backbone
 
-    out = train_backbone(args.out, stage1_steps=args.stage1_steps, stage2_steps=args.stage2_steps, batch=args.batch, seed=args.seed, init=args.init, lr=args.lr)
+    out = train_backbone(args.out, stage1_steps=args.stage1_steps, stage2_steps=args.stage2_steps, batch=args.batch, seed=args.seed, init=args.init, lr=args.lr, cue_fraction=args.cue_fraction)
     print(f"needle backbone: {out}")
+    return 0
+
+
+def cmd_needle_train_allocator(args) -> int:
+    from .needle.train_allocator import train_allocator
+
+    out = train_allocator(args.config, args.out, steps=args.steps)
+    print(f"needle allocator: {out}")
+    return 0
+
+
+def cmd_needle_report(args) -> int:
+    from .needle.report import to_markdown, write_report
+
+    cells, written = write_report(args.run_dir, args.data, args.out)
+    if not cells:
+        print(f"no finished cells under {args.run_dir}", file=sys.stderr)
+        return 1
+    print(to_markdown(cells))
+    print(f"needle report: {written[0].parent} ({len(written)} files)")
     return 0
 
 
@@ -114,11 +139,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=cmd_fixtures)
 
-    p = sub.add_parser("demo", help="the whole pipeline on the tiny offline card: sweep, tables, plots")
+    p = sub.add_parser("demo", help="the needle benchmark on the committed weights: data, sweep, tables, plots, report")
     p.add_argument("--out", default="demo_out", help="output folder (the sweep's run directory)")
     p.add_argument("--repo", default=".", help="repository root (holds model_cards/, tasks/, fixtures/)")
     p.add_argument("--methods", default=ALL_METHODS, help="comma-separated methods")
-    p.add_argument("--retention", default="0.5,0.25", help="comma-separated target retentions")
+    p.add_argument("--retention", default="0.25", help="comma-separated target retentions")
+    p.add_argument("--limit", type=int, default=100, help="needle test videos per cell (written to fixtures/needle if missing)")
     p.set_defaults(func=cmd_demo)
 
     p = sub.add_parser("sweep", help="run a (method x retention x frames) grid through lmms-eval, one process per cell, resumable")
@@ -165,7 +191,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--init", default=None, help="continue training this backbone folder (use --stage1-steps 0)")
     p.add_argument("--lr", type=float, default=1e-3, help="stage-2 learning rate (vision x0.2)")
+    p.add_argument("--cue-fraction", type=float, default=0.0, help="share of training videos with the --cue border on their evidence frames")
     p.set_defaults(func=cmd_needle_train_backbone)
+    p = needle.add_parser("train-allocator", help="CAPO-train the Allocator on the frozen needle backbone (CPU)")
+    p.add_argument("--config", default="configs/needle_allocator.yaml", help="training YAML (the `resadapt-eval train` layout)")
+    p.add_argument("--out", default="results/needle/allocator-qwen25vl", help="folder for the final Allocator checkpoint")
+    p.add_argument("--steps", type=int, default=None, help="override train.steps")
+    p.set_defaults(func=cmd_needle_train_allocator)
+    p = needle.add_parser("report", help="accuracy with standard errors and the evidence-pair fraction per cell of a needle sweep, and evidence plots")
+    p.add_argument("run_dir")
+    p.add_argument("--data", default="fixtures/needle/test.jsonl", help="the needle rows the sweep read (for evidence_pair)")
+    p.add_argument("--out", default=None, help="output folder (default: RUN_DIR/needle)")
+    p.set_defaults(func=cmd_needle_report)
 
     args = parser.parse_args(argv)
     return args.func(args)

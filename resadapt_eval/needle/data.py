@@ -83,7 +83,8 @@ def render_video(rng: np.random.Generator, spec: NeedleSpec, cue: bool = False, 
 def make_split(out: Path, split: str, count: int, seed: int, cue: bool = False, progress: bool = True) -> Path:
     """Write `count` videos and `<split>.jsonl` (rows: video_path and video (the same path, for
     the lmms-eval task and the trainer), task_type, question, answer, label, evidence_pair,
-    evidence_frames) under `out`; returns the JSONL path."""
+    evidence_frames, cue) under `out`; returns the JSONL path. The first k rows of a split do
+    not depend on `count`."""
     from tqdm import tqdm
 
     rng = np.random.default_rng(seed)
@@ -95,7 +96,7 @@ def make_split(out: Path, split: str, count: int, seed: int, cue: bool = False, 
         path = out / split / f"needle_{split}_{i:05d}.mkv"
         write_video(path, render_video(rng, spec, cue), FPS, lossless=True)
         rows.append(dict(video_path=str(path.resolve()), video=str(path.resolve()), task_type="multiple_choice", question=QUESTION, answer=LETTERS[spec.label], label=spec.label,
-                         evidence_pair=spec.evidence_pair, evidence_frames=[2 * spec.evidence_pair, 2 * spec.evidence_pair + 1]))  # fmt: skip
+                         evidence_pair=spec.evidence_pair, evidence_frames=[2 * spec.evidence_pair, 2 * spec.evidence_pair + 1], cue=cue))  # fmt: skip
     jsonl = out / f"{split}.jsonl"
     jsonl.parent.mkdir(parents=True, exist_ok=True)
     jsonl.write_text("".join(json.dumps(r) + "\n" for r in rows))
@@ -106,6 +107,18 @@ def make_data(out: str | Path, train: int = 2000, val: int = 200, test: int = 40
     """All three splits, each from its own seed (seed, seed + 1, seed + 2)."""
     out = Path(out)
     return {split: make_split(out, split, n, seed + k, cue) for k, (split, n) in enumerate((("train", train), ("val", val), ("test", test)))}
+
+
+def ensure_test_split(out: str | Path, count: int, seed: int = 0, cue: bool = True) -> Path:
+    """`out/test.jsonl` with at least `count` rows of the given cue setting: kept when already
+    there, else written as the first `count` rows of `make_data(out, seed=seed, cue=cue)`'s test
+    split (its seed is seed + 2)."""
+    jsonl = Path(out) / "test.jsonl"
+    if jsonl.is_file():
+        rows = [json.loads(line) for line in jsonl.read_text().splitlines() if line.strip()]
+        if len(rows) >= count and all(r.get("cue") == cue and Path(r["video_path"]).is_file() for r in rows[:count]):
+            return jsonl
+    return make_split(Path(out), "test", count, seed + 2, cue)
 
 
 def needle_process_results(doc, results):

@@ -4,7 +4,10 @@
     data: path/to/train.jsonl           # see train/data.py for the columns
     backbone: {family: qwen25vl, pretrained: PATH, device: cpu, dtype: float32, attn_implementation: null}
     rollout: {max_num_frames: 8, max_new_tokens: 32, temperature: 1.0, check_format: false,
-              min_pixels: null, max_pixels: null, min_tokens_per_pair: 1, max_tokens_per_pair: null}
+              min_pixels: null, max_pixels: null, min_tokens_per_pair: 1, max_tokens_per_pair: null,
+              answer: generate, choices: ABCD,          # or choice_logits (multiple choice, one forward)
+              retention: null, s_min: 0.2, s_max: 1.8}  # R or [lo, hi] (R drawn per prompt): project each
+                                                        # allocation onto R within [s_min, s_max]
     allocator: {checkpoint: null}       # or `builtin`, or a folder; otherwise AllocatorConfig fields
     capo: {...}                         # CAPOConfig fields
     train: {...}                        # TrainConfig fields (output_dir comes from the top level)
@@ -29,7 +32,8 @@ from .trainer import AllocatorTrainer, TrainConfig
 
 SECTIONS = ("output_dir", "data", "backbone", "rollout", "allocator", "capo", "train")
 BACKBONE_KEYS = ("family", "pretrained", "device", "dtype", "attn_implementation")
-ROLLOUT_KEYS = ("max_num_frames", "max_new_tokens", "temperature", "check_format", "min_pixels", "max_pixels", "min_tokens_per_pair", "max_tokens_per_pair")
+ROLLOUT_KEYS = ("max_num_frames", "max_new_tokens", "temperature", "check_format", "min_pixels", "max_pixels", "min_tokens_per_pair", "max_tokens_per_pair",
+                "answer", "choices", "retention", "s_min", "s_max")  # fmt: skip
 
 
 def _check_keys(path: Path, section: str, given: dict, allowed) -> None:
@@ -68,7 +72,8 @@ def build_trainer(config_path: str | Path, steps: int | None = None) -> Allocato
 
     rollout = dict(raw.get("rollout") or {})
     _check_keys(path, "rollout", rollout, ROLLOUT_KEYS)
-    budget = BudgetSpec(min_tokens_per_pair=rollout.get("min_tokens_per_pair", 1), max_tokens_per_pair=rollout.get("max_tokens_per_pair"))
+    budget = BudgetSpec(s_min=rollout.get("s_min", 0.2), s_max=rollout.get("s_max", 1.8),
+                        min_tokens_per_pair=rollout.get("min_tokens_per_pair", 1), max_tokens_per_pair=rollout.get("max_tokens_per_pair"))  # fmt: skip
     engine = HFRolloutEngine(
         adapter,
         max_num_frames=rollout.get("max_num_frames", 8),
@@ -78,6 +83,10 @@ def build_trainer(config_path: str | Path, steps: int | None = None) -> Allocato
         max_new_tokens=rollout.get("max_new_tokens", 32),
         temperature=rollout.get("temperature", 1.0),
         check_format=rollout.get("check_format", False),
+        answer=rollout.get("answer", "generate"),
+        choices=rollout.get("choices", "ABCD"),
+        retention=rollout.get("retention"),
+        seed=(raw.get("train") or {}).get("seed", 0),
     )
 
     allocator_cfg = dict(raw.get("allocator") or {})

@@ -1,7 +1,13 @@
 """Rollout engines: given one prompt and M sampled allocations, produce N scored rollouts each.
 
-- `HFRolloutEngine`: the real backbone through `backbones/` (per-pair sizes, HF generate), task
-  rewards from `capo.rewards`, exact plan R per allocation; keeps what the backbone update needs.
+- `HFRolloutEngine`: the real backbone through `backbones/` (per-pair sizes), task rewards from
+  `capo.rewards`, exact plan R per allocation; keeps what the backbone update needs. Answers come
+  from HF generate, or (`answer="choice_logits"`, multiple choice) from one forward pass: the
+  option letter with the highest next-token logit (temperature 0) or sampled from the softmax
+  over the option letters' logits / temperature. With `retention` set (one R, or a range
+  [lo, hi] from which each prompt draws its own R), every sampled allocation is first projected
+  onto that R within [budget.s_min, budget.s_max] (as `method=resadapt,retention=R` does at
+  inference), so the reward teaches where the pixels go at a fixed budget.
 - `SimulatedBackbone`: a stand-in whose chance of answering correctly rises with the scale of
   the frames that hold the evidence (and, weakly, with the mean scale), for fast CPU studies of
   the optimiser. The evidence frames carry a visible pattern, so the Allocator can find them.
@@ -15,7 +21,7 @@ import numpy as np
 import torch
 
 from ..backbones.qwen import QwenVideoAdapter
-from ..budget.plan import base_size, plan_from_scales
+from ..budget.plan import base_size, plan_from_scales, project_to_retention
 from ..budget.policies import BudgetSpec
 from ..capo.rewards import is_correct, task_reward, task_score
 from ..video import decode_video
@@ -43,16 +49,54 @@ class Rollouts:
     backbone: list[list[tuple[dict, torch.Tensor]]] | None = None
 
 
+ANSWER_MODES = ("generate", "choice_logits")
+
+
 class HFRolloutEngine:
-    """Rollouts from a Qwen backbone on the real per-pair inputs."""
+    """Rollouts from a Qwen backbone on the real per-pair inputs.
+
+    answer: `generate` (HF generate, `max_new_tokens`) or `choice_logits` (one forward pass over
+    the option letters in `choices`; multiple-choice samples only). retention: None, R, or
+    (lo, hi). seed: for the choice sampler and the per-prompt R.
+    """
 
     def __init__(self, adapter: QwenVideoAdapter, max_num_frames: int, budget: BudgetSpec, min_pixels: int | None = None, max_pixels: int | None = None,
-                 max_new_tokens: int = 32, temperature: float = 1.0, check_format: bool = False):  # fmt: skip
+                 max_new_tokens: int = 32, temperature: float = 1.0, check_format: bool = False, answer: str = "generate", choices: str = "ABCD",
+                 retention: float | tuple[float, float] | None = None, seed: int = 0):  # fmt: skip
+        if answer not in ANSWER_MODES:
+            raise ValueError(f"answer must be one of {ANSWER_MODES}, got {answer!r}")
         self.adapter, self.max_num_frames, self.budget = adapter, max_num_frames, budget
         px = adapter.grid.token_px
         self.min_pixels = min_pixels if min_pixels is not None else 4 * px * px
         self.max_pixels = max_pixels if max_pixels is not None else 768 * px * px
         self.max_new_tokens, self.temperature, self.check_format = max_new_tokens, temperature, check_format
+        self.answer, self.choices = answer, choices
+        if answer == "choice_logits":
+            ids = [adapter.tokenizer(letter, add_special_tokens=False)["input_ids"] for letter in choices]
+            if any(len(i) != 1 for i in ids):
+                raise ValueError(f"every choice letter must be one token; got {dict(zip(choices, ids))}")
+            self.choice_ids = torch.tensor([i[0] for i in ids])
+        self.retention = None if retention is None else tuple(retention) if isinstance(retention, (list, tuple)) else (retention, retention)
+        if self.retention is not None and not 0 < self.retention[0] <= self.retention[1]:
+            raise ValueError(f"retention must be R > 0 or a range 0 < lo <= hi, got {retention}")
+        self.generator = torch.Generator().manual_seed(seed)
+
+    @torch.inference_mode()
+    def choice_probs(self, inputs: dict) -> torch.Tensor:
+        """Softmax over the option letters' next-token logits after the prompt, (len(choices),);
+        at temperature 0 (or below) a one-hot on the highest logit."""
+        self.adapter.model.model.rope_deltas = None
+        logits = self.adapter.model(**inputs).logits[0, -1, self.choice_ids.to(self.adapter.device)].float().cpu()
+        if self.temperature <= 0:
+            return torch.nn.functional.one_hot(logits.argmax(), len(self.choices)).float()
+        return torch.softmax(logits / self.temperature, dim=-1)
+
+    def answers(self, inputs: dict, n: int) -> list[tuple[str, torch.Tensor]]:
+        """n responses (text, token ids) to one built input."""
+        if self.answer == "generate":
+            return [self.adapter.generate_ids(inputs, max_new_tokens=self.max_new_tokens, temperature=self.temperature) for _ in range(n)]
+        picks = torch.multinomial(self.choice_probs(inputs), n, replacement=True, generator=self.generator)
+        return [(self.choices[k], self.choice_ids[k : k + 1]) for k in picks.tolist()]
 
     def prompt(self, sample: TrainSample) -> Prompt:
         video = decode_video(sample.video, self.max_num_frames)
@@ -63,13 +107,20 @@ class HFRolloutEngine:
 
     def rollouts(self, prompt: Prompt, scales: np.ndarray, n: int, keep_backbone_inputs: bool = False) -> Rollouts:
         sample: TrainSample = prompt.sample
+        if self.answer == "choice_logits" and sample.task_type != "multiple_choice":
+            raise ValueError(f"answer=choice_logits scores multiple-choice samples only; {sample.video} is {sample.task_type!r}")
         rewards, correct, retention, backbone = [], [], [], []
+        spec, base = self.budget, prompt.state["base"]
+        if self.retention is not None:
+            lo, hi = self.retention
+            target = lo + (hi - lo) * float(torch.rand((), generator=self.generator))
         for allocation in scales:
-            plan = plan_from_scales(allocation, prompt.state["base"], self.adapter.grid, **self.budget.plan_bounds)
+            if self.retention is not None:
+                allocation = project_to_retention(allocation, target, base, self.adapter.grid, spec.s_min, spec.s_max, **spec.plan_bounds)
+            plan = plan_from_scales(allocation, base, self.adapter.grid, **spec.plan_bounds)
             inputs = self.adapter.build_inputs(prompt.state["chat"], prompt.state["video"], plan)
             row_r, row_u, row_b = [], [], []
-            for _ in range(n):
-                text, ids = self.adapter.generate_ids(inputs, max_new_tokens=self.max_new_tokens, temperature=self.temperature)
+            for text, ids in self.answers(inputs, n):
                 score = task_score(sample.task_type, text, sample.answer, sample.segments)
                 row_r.append(task_reward(score, text, self.check_format))
                 row_u.append(is_correct(sample.task_type, score))

@@ -71,6 +71,7 @@ class AllocatorTrainer:
         from accelerate import Accelerator
 
         self.config, self.capo, self.engine, self.samples = config, capo, engine, samples
+        torch.manual_seed(config.seed)  # the sampled allocations (a resume restores the saved RNG state)
         self.accelerator = Accelerator(cpu=not torch.cuda.is_available())
         self.allocator = allocator
         params = [p for p in allocator.parameters() if p.requires_grad]

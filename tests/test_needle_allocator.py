@@ -1,0 +1,139 @@
+"""The needle benchmark's second half: the choice-logits rollout engine, budget-projected rollouts,
+`needle train-allocator`, and the evidence-pair report."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import yaml
+
+from resadapt_eval.allocator import Allocator
+from resadapt_eval.budget.plan import plan_from_scales, project_to_retention
+from resadapt_eval.budget.policies import BudgetSpec
+from resadapt_eval.needle.report import binomial_se, evidence_is_highest, pair_scale_of, summarize_cell, to_markdown
+from resadapt_eval.report.collect import CellRun
+from resadapt_eval.train.data import TrainSample, load_samples
+from resadapt_eval.train.engines import HFRolloutEngine
+
+from .conftest import REPO
+
+
+@pytest.fixture(scope="module")
+def mc_sample(fixtures_dir):
+    sample = load_samples(fixtures_dir / "smoke_videoqa" / "train.jsonl")[0]
+    assert sample.task_type == "multiple_choice"
+    return sample
+
+
+def letter_logprobs(adapter, inputs, letters="ABCD"):
+    """Independent path: teacher-forced log-probabilities of each letter after the prompt."""
+    with torch.no_grad():
+        return torch.stack([adapter.sequence_logprobs(inputs, torch.tensor(adapter.tokenizer(x, add_special_tokens=False)["input_ids"]))[0] for x in letters])
+
+
+def test_choice_logits_reward_is_the_argmax_letter_checked_by_teacher_forcing(adapters, mc_sample):
+    adapter = adapters["qwen25vl"]
+    engine = HFRolloutEngine(adapter, max_num_frames=4, budget=BudgetSpec(), answer="choice_logits", temperature=0.0)
+    prompt = engine.prompt(mc_sample)
+    scales = np.array([[1.0, 1.0, 0.5, 0.5], [0.5, 0.5, 1.0, 1.0]])
+    for allocation in scales:
+        inputs = adapter.build_inputs(prompt.state["chat"], prompt.state["video"], plan_from_scales(allocation, prompt.state["base"], adapter.grid))
+        best = "ABCD"[int(letter_logprobs(adapter, inputs).argmax())]
+        for answer in "ABCD":
+            prompt.sample = TrainSample(mc_sample.video, mc_sample.question, answer, "multiple_choice")
+            out = engine.rollouts(prompt, allocation[None], n=3)
+            expected = 1.0 if answer == best else 0.0
+            assert out.task_reward.tolist() == [[expected] * 3] and out.correct.tolist() == [[expected] * 3]
+
+
+def test_choice_probs_at_temperature_are_the_softmax_of_the_letters_logprobs(adapters, mc_sample):
+    adapter = adapters["qwen3vl"]
+    engine = HFRolloutEngine(adapter, max_num_frames=4, budget=BudgetSpec(), answer="choice_logits", temperature=0.7)
+    prompt = engine.prompt(mc_sample)
+    inputs = adapter.build_inputs(prompt.state["chat"], prompt.state["video"], plan_from_scales(np.ones(4), prompt.state["base"], adapter.grid))
+    expected = torch.softmax(letter_logprobs(adapter, inputs) / 0.7, dim=0)
+    assert torch.allclose(engine.choice_probs(inputs), expected, atol=1e-5)
+
+
+def test_choice_logits_rejects_other_task_types(adapters, fixtures_dir):
+    engine = HFRolloutEngine(adapters["qwen25vl"], max_num_frames=4, budget=BudgetSpec(), answer="choice_logits")
+    video = load_samples(fixtures_dir / "smoke_videoqa" / "train.jsonl")[0].video
+    prompt = engine.prompt(TrainSample(video=video, question="What?", answer="a cat", task_type="free_form"))
+    with pytest.raises(ValueError, match="multiple-choice samples only"):
+        engine.rollouts(prompt, np.ones((1, 4)), n=1)
+    with pytest.raises(ValueError, match="answer must be one of"):
+        HFRolloutEngine(adapters["qwen25vl"], max_num_frames=4, budget=BudgetSpec(), answer="beam")
+
+
+def test_projected_rollouts_spend_exactly_the_projection_budget(adapters, mc_sample):
+    adapter = adapters["qwen25vl"]
+    budget = BudgetSpec(s_min=0.2, s_max=1.0)
+    scales = np.array([[1.5, 1.5, 0.3, 0.3, 0.6, 0.6, 0.9, 0.9], [0.4, 0.4, 0.4, 0.4, 1.8, 1.8, 0.2, 0.2]])
+    fixed = HFRolloutEngine(adapter, max_num_frames=8, budget=budget, answer="choice_logits", retention=0.4)
+    prompt = fixed.prompt(mc_sample)
+    expected = [plan_from_scales(project_to_retention(s, 0.4, prompt.state["base"], adapter.grid, 0.2, 1.0), prompt.state["base"], adapter.grid).retention for s in scales]
+    out = fixed.rollouts(prompt, scales, n=1)
+    assert out.retention.tolist() == pytest.approx(expected) and max(expected) <= 0.4
+    ranged = HFRolloutEngine(adapter, max_num_frames=8, budget=budget, answer="choice_logits", retention=(0.3, 0.6), seed=3)
+    drawn = float(0.3 + 0.3 * torch.rand((), generator=torch.Generator().manual_seed(3)))  # the engine's first draw
+    expected = [plan_from_scales(project_to_retention(s, drawn, prompt.state["base"], adapter.grid, 0.2, 1.0), prompt.state["base"], adapter.grid).retention for s in scales]
+    assert ranged.rollouts(prompt, scales, n=1).retention.tolist() == pytest.approx(expected)
+    with pytest.raises(ValueError, match="retention must be"):
+        HFRolloutEngine(adapter, max_num_frames=8, budget=budget, retention=(0.6, 0.3))
+
+
+def test_needle_train_allocator_writes_a_loadable_checkpoint(tmp_path):
+    from resadapt_eval.needle.data import make_split
+
+    data = make_split(tmp_path / "needle", "train", 2, seed=0, cue=True, progress=False)
+    config = yaml.safe_load((REPO / "configs" / "needle_allocator.yaml").read_text())
+    config.update(output_dir=str(tmp_path / "run"), data=str(data))
+    config["backbone"]["pretrained"] = str(REPO / "results" / "needle" / "backbone-qwen25vl")
+    config["train"].update(steps=2, batch_size=2, num_allocations=2, save_every=1)
+    path = tmp_path / "needle_allocator.yaml"
+    path.write_text(yaml.safe_dump(config))
+    out = tmp_path / "allocator"
+    proc = subprocess.run([sys.executable, "-m", "resadapt_eval.cli", "needle", "train-allocator", "--config", str(path), "--out", str(out)],
+                          cwd=REPO, capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    allocator = Allocator.from_pretrained(out)
+    assert (allocator.config.encoder, allocator.config.width, allocator.config.s_min, allocator.config.s_max) == ("tiny", 64, 0.1, 1.9)
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors", "training.txt"]
+    assert "steps=2 " in (out / "training.txt").read_text()
+    metrics = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in metrics] == [1, 2]
+    assert all(0.25 <= m["achieved_retention"] <= 0.8 for m in metrics)  # every rollout projected into the YAML's range
+
+
+def test_evidence_pair_is_highest_by_hand():
+    scales = [0.2, 0.4, 1.0, 0.8, 0.3, 0.3, 0.5, 0.5]  # pairs: 0.3, 0.9, 0.3, 0.5
+    assert pair_scale_of(scales).tolist() == pytest.approx([0.3, 0.9, 0.3, 0.5])
+    assert evidence_is_highest(scales, 1) and not evidence_is_highest(scales, 3)
+    assert not evidence_is_highest([1.0, 1.0, 1.0, 1.0], 0)  # a tie is not a hit
+    assert pair_scale_of([0.2, 0.4, 1.0]).tolist() == pytest.approx([0.3, 1.0])  # odd tail repeats the last frame
+
+
+def test_cell_summary_by_hand(tmp_path):
+    rows = {}
+    records = []
+    pairs = [0, 1, 2, 3]
+    for i, ev in enumerate(pairs):
+        video = str(tmp_path / f"v{i}.mkv")
+        rows[video] = dict(video_path=video, evidence_pair=ev)
+        scales = [0.3] * 8
+        top = ev if i < 3 else 0  # videos 0-2: the evidence pair is highest; video 3: pair 0 is
+        scales[2 * top] = scales[2 * top + 1] = 1.0
+        records.append(dict(video=video, scales=scales, error=None, achieved_retention=0.25, task="resadapt_needle", doc_id=i))
+    records.append(dict(video=str(tmp_path / "v0.mkv"), scales=[1.0] * 8, error="VideoDecodeError: x", achieved_retention=None, task="resadapt_needle", doc_id=4))
+    run = CellRun(card="needle", backbone="qwen25vl", paper_backbone=None, method="resadapt", retention=0.25, frames=16, path=tmp_path / "cell",
+                  records=records, outcomes={("resadapt_needle", i): s for i, s in enumerate([1.0, 1.0, 0.0, 1.0, 0.0])})  # fmt: skip
+    cell = summarize_cell(run, rows)
+    assert cell.evidence_fraction == pytest.approx(0.75) and cell.evidence_se == pytest.approx(np.sqrt(0.75 * 0.25 / 4))
+    assert cell.accuracy == pytest.approx(0.6) and cell.accuracy_se == pytest.approx(np.sqrt(0.6 * 0.4 / 5)) and cell.n == 5
+    assert cell.achieved_retention == pytest.approx(0.25)
+    assert binomial_se(0.5, 100) == pytest.approx(0.05)
+    assert "| ResAdapt | 0.25 | 0.250 | 60.0 ± 21.9 | 75.0 ± 21.7 | 5 |" in to_markdown([cell])
