@@ -97,7 +97,7 @@ def cmd_train(args) -> int:
 def cmd_needle_make_data(args) -> int:
     from .needle.data import make_data
 
-    for split, path in make_data(args.out, train=args.train, val=args.val, test=args.test, seed=args.seed, cue=args.cue).items():
+    for split, path in make_data(args.out, train=args.train, val=args.val, test=args.test, seed=args.seed, cue=args.cue, evidence_pairs=args.evidence_pairs).items():
         print(f"{split}: {path}")
     return 0
 
@@ -182,6 +182,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--test", type=int, default=400)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--cue", action="store_true", help="add a coarse bright border to the evidence frames")
+    p.add_argument("--evidence-pairs", type=int, default=4, help="the evidence pair is drawn from the first N of the 8 pairs (default 4: the first half; 8: anywhere)")
     p.set_defaults(func=cmd_needle_make_data)
     p = needle.add_parser("train-backbone", help="train the tiny Qwen2.5-VL-architecture needle backbone (two stages, CPU)")
     p.add_argument("--out", default="results/needle/backbone-qwen25vl")

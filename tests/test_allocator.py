@@ -249,3 +249,18 @@ def test_logit_normal_policy_for_the_n_capo_ablation(tmp_path):
     assert torch.allclose(sigma0, torch.full_like(sigma0, 0.5), atol=1e-5)
     allocator.save_pretrained(tmp_path / "n")
     assert torch.equal(scales_of(Allocator.from_pretrained(tmp_path / "n"), frames(4), "q"), scales_of(allocator, frames(4), "q"))
+
+
+def test_frame_norm_layer_normalises_the_frozen_features_before_the_projection():
+    allocator = Allocator(tiny_config(frame_norm=True))
+    plain = Allocator(tiny_config(frame_norm=False))  # same seed, same weights: frame_norm adds none
+    assert set(allocator.trainable_state_dict()) == set(plain.trainable_state_dict())
+    feats = allocator.encode([frames()], ["q"])
+    raw = feats["frame_features"]  # (1, T, 32)
+    normalised = (raw - raw.mean(-1, keepdim=True)) / torch.sqrt(raw.var(-1, unbiased=False, keepdim=True) + 1e-5)
+    for a, b in zip(allocator(**feats), plain(**dict(feats, frame_features=normalised))):
+        assert torch.allclose(a, b, atol=1e-5)
+    # a per-frame affine change of the features barely moves the normalised policy, but moves the plain one
+    shifted = dict(feats, frame_features=raw * 7.0 + 3.0)
+    assert (allocator(**feats)[0] - allocator(**shifted)[0]).abs().max() < 0.05
+    assert (plain(**feats)[0] - plain(**shifted)[0]).abs().max() > 0.5

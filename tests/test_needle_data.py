@@ -52,3 +52,19 @@ def test_backbone_trainer_runs_both_stages_and_saves(tmp_path):
     # continuing from the saved model appends to the log
     train_backbone(out, stage1_steps=0, stage2_steps=1, batch=2, init=str(out), progress=False)
     assert len((out / "training.txt").read_text().splitlines()) == 2
+
+
+def test_evidence_pairs_widens_where_the_evidence_may_sit(tmp_path):
+    rows = [json.loads(line) for line in make_split(tmp_path, "train", 40, seed=1, evidence_pairs=8, progress=False).read_text().splitlines()]
+    pairs = {r["evidence_pair"] for r in rows}
+    assert pairs <= set(range(8)) and max(pairs) >= 4  # 40 draws from 8 pairs reach the second half
+    with pytest.raises(ValueError, match="evidence_pairs must be in 1..8"):
+        make_split(tmp_path, "bad", 1, seed=1, evidence_pairs=9, progress=False)
+
+
+def test_make_data_skips_empty_splits(tmp_path):
+    from resadapt_eval.needle.data import make_data
+
+    written = make_data(tmp_path, train=0, val=0, test=2, seed=0)
+    assert list(written) == ["test"] and not (tmp_path / "train.jsonl").exists()
+    assert len(written["test"].read_text().splitlines()) == 2

@@ -1,6 +1,6 @@
 """The Allocator (paper Sec. 3.2): frozen encoders -> shallow decoder -> per-frame Beta policy.
 
-    f_t = W_v enc_v(coarse frame t) + PE(t)        q = W_q enc_q(query tokens)
+    f_t = W_v LN(enc_v(coarse frame t)) + PE(t)    q = W_q enc_q(query tokens)   (LN: `frame_norm` only)
     h   = L x [ temporal self-attention over frames ; gated cross-attention to q ; FFN ]
     alpha_t, beta_t = clamp(softplus(W_h h_t) + 1, 1 + 1e-4, max_concentration)   (alpha, beta > 1)
     a_t ~ Beta(alpha_t, beta_t),   s_t = s_min + a_t (s_max - s_min)               (Eq. scale_map)
@@ -54,6 +54,8 @@ class AllocatorConfig:
     init_concentration: alpha + beta at initialisation (the mean scale starts at 1.0);
     head_init_std: std of the head's initial weights (0 gives every frame exactly scale 1.0).
     max_concentration: clamp on alpha and beta. seed: initialisation seed.
+    frame_norm: layer-normalise each frame's frozen features (no weights) before W_v, for encoders
+    whose raw features are small next to the positional encoding (the `tiny` CNN's are ~0.05).
     """
 
     encoder: str = "minilm-effnet"
@@ -71,6 +73,7 @@ class AllocatorConfig:
     policy: str = "beta"
     init_sigma: float = 0.5
     seed: int = 0
+    frame_norm: bool = False
     format_version: int = FORMAT_VERSION
 
     def __post_init__(self):
@@ -154,6 +157,8 @@ class Allocator(nn.Module):
         with text_mask (B, L); masks are True on real entries.
         """
         B, T, _ = frame_features.shape
+        if self.config.frame_norm:
+            frame_features = F.layer_norm(frame_features, frame_features.shape[-1:])
         x = self.frame_proj(frame_features) + sinusoidal_positions(T, self.config.width, frame_features.device)
         text = self.text_proj(text_features)
         for layer in self.layers:

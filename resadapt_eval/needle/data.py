@@ -4,7 +4,8 @@ high-frequency symbol that is readable only at full resolution.
 Each video: T=16 frames of 224x224 pixels. Background: a two-colour gradient with 1-3 soft-edged
 moving discs or squares (edges ~3 px, so distractors carry no fine detail); no pixel noise, which
 would not compress losslessly (about 80 KB a video without it, over 1 MB with it). One
-frame pair, at a random position in the first half, carries a glyph 12-20 px wide whose class is
+frame pair, at a random position among the first `evidence_pairs` pairs (default 4: the first
+half; the Allocator's training split uses all 8 so that position alone cannot find it), carries a glyph 12-20 px wide whose class is
 a pattern at the pixel Nyquist frequency with the background's mean colour (zero-mean contrast):
 alternating rows, alternating columns, a grid, or a checkerboard. Downscaling averages the
 pattern away, so a downscaled evidence pair is unreadable. With `cue=True` the evidence frames
@@ -80,18 +81,20 @@ def render_video(rng: np.random.Generator, spec: NeedleSpec, cue: bool = False, 
     return frames.clip(0, 255).astype(np.uint8)
 
 
-def make_split(out: Path, split: str, count: int, seed: int, cue: bool = False, progress: bool = True) -> Path:
+def make_split(out: Path, split: str, count: int, seed: int, cue: bool = False, evidence_pairs: int = FRAMES // 4, progress: bool = True) -> Path:
     """Write `count` videos and `<split>.jsonl` (rows: video_path and video (the same path, for
     the lmms-eval task and the trainer), task_type, question, answer, label, evidence_pair,
     evidence_frames, cue) under `out`; returns the JSONL path. The first k rows of a split do
-    not depend on `count`."""
+    not depend on `count`. The evidence pair is drawn from pairs 0 .. evidence_pairs - 1."""
     from tqdm import tqdm
 
+    if not 1 <= evidence_pairs <= FRAMES // 2:
+        raise ValueError(f"evidence_pairs must be in 1..{FRAMES // 2} (a video has {FRAMES // 2} frame pairs), got {evidence_pairs}")
     rng = np.random.default_rng(seed)
     rows = []
     for i in tqdm(range(count), desc=f"needle {split}", disable=not progress):
         glyph = int(rng.integers(12, 21))
-        spec = NeedleSpec(label=int(rng.integers(0, 4)), evidence_pair=int(rng.integers(0, FRAMES // 4)), glyph=glyph,
+        spec = NeedleSpec(label=int(rng.integers(0, 4)), evidence_pair=int(rng.integers(0, evidence_pairs)), glyph=glyph,
                           x=int(rng.integers(8, SIZE - glyph - 8)), y=int(rng.integers(8, SIZE - glyph - 8)))  # fmt: skip
         path = out / split / f"needle_{split}_{i:05d}.mkv"
         write_video(path, render_video(rng, spec, cue), FPS, lossless=True)
@@ -103,10 +106,11 @@ def make_split(out: Path, split: str, count: int, seed: int, cue: bool = False, 
     return jsonl
 
 
-def make_data(out: str | Path, train: int = 2000, val: int = 200, test: int = 400, seed: int = 0, cue: bool = False) -> dict[str, Path]:
-    """All three splits, each from its own seed (seed, seed + 1, seed + 2)."""
+def make_data(out: str | Path, train: int = 2000, val: int = 200, test: int = 400, seed: int = 0, cue: bool = False, evidence_pairs: int = FRAMES // 4) -> dict[str, Path]:
+    """The three splits, each from its own seed (seed, seed + 1, seed + 2); a split of 0 videos is skipped."""
     out = Path(out)
-    return {split: make_split(out, split, n, seed + k, cue) for k, (split, n) in enumerate((("train", train), ("val", val), ("test", test)))}
+    splits = (("train", train), ("val", val), ("test", test))
+    return {split: make_split(out, split, n, seed + k, cue, evidence_pairs) for k, (split, n) in enumerate(splits) if n > 0}
 
 
 def ensure_test_split(out: str | Path, count: int, seed: int = 0, cue: bool = True) -> Path:
