@@ -101,7 +101,7 @@ def test_needle_train_allocator_writes_a_loadable_checkpoint(tmp_path):
                           cwd=REPO, capture_output=True, text=True, timeout=300)  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     allocator = Allocator.from_pretrained(out)
-    assert (allocator.config.encoder, allocator.config.width, allocator.config.s_min, allocator.config.s_max) == ("tiny", 64, 0.1, 1.9)
+    assert (allocator.config.encoder, allocator.config.frame_norm, allocator.config.width, allocator.config.s_min, allocator.config.s_max) == ("tiny", True, 64, 0.1, 1.9)
     assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors", "training.txt"]
     assert "steps=2 " in (out / "training.txt").read_text()
     metrics = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
