@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 from .fixtures import write_fixtures
+from .needle.data import EVIDENCE_PAIRS
 
 ALL_METHODS = "vanilla,fixed_scale,random_drop,tome,visionzip,flashvid,resadapt"
 
@@ -182,7 +183,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--test", type=int, default=400)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--cue", action="store_true", help="add a coarse bright border to the evidence frames")
-    p.add_argument("--evidence-pairs", type=int, default=4, help="the evidence pair is drawn from the first N of the 8 pairs (default 4: the first half; 8: anywhere)")
+    p.add_argument("--evidence-pairs", type=int, default=EVIDENCE_PAIRS, help=f"the evidence pair is drawn from the first N of the 8 pairs (default {EVIDENCE_PAIRS}: the first half; 8: anywhere)")
     p.set_defaults(func=cmd_needle_make_data)
     p = needle.add_parser("train-backbone", help="train the tiny Qwen2.5-VL-architecture needle backbone (two stages, CPU)")
     p.add_argument("--out", default="results/needle/backbone-qwen25vl")

@@ -5,8 +5,8 @@ Each video: T=16 frames of 224x224 pixels. Background: a two-colour gradient wit
 moving discs or squares (edges ~3 px, so distractors carry no fine detail); no pixel noise, which
 would not compress losslessly (about 80 KB a video without it, over 1 MB with it). One
 frame pair, at a random position among the first `evidence_pairs` pairs (default 4: the first
-half; the Allocator's training split uses all 8 so that position alone cannot find it), carries a glyph 12-20 px wide whose class is
-a pattern at the pixel Nyquist frequency with the background's mean colour (zero-mean contrast):
+half; the Allocator's training split uses all 8 so that position alone cannot find it), carries a
+glyph 12-20 px wide whose class is a pattern at the pixel Nyquist frequency with the background's mean colour (zero-mean contrast):
 alternating rows, alternating columns, a grid, or a checkerboard. Downscaling averages the
 pattern away, so a downscaled evidence pair is unreadable. With `cue=True` the evidence frames
 also get a coarse bright border that a cheap encoder can see.
@@ -28,6 +28,7 @@ CLASSES = ("horizontal stripes", "vertical stripes", "grid", "checkerboard")
 LETTERS = "ABCD"
 QUESTION = "Which symbol appears in the video?\n" + "\n".join(f"{l}. {c}" for l, c in zip(LETTERS, CLASSES)) + "\nAnswer with the option's letter."
 SIZE, FRAMES, FPS = 224, 16, 8
+EVIDENCE_PAIRS = FRAMES // 4  # default: the evidence pair lies in the first half
 
 
 @dataclass(frozen=True)
@@ -81,7 +82,7 @@ def render_video(rng: np.random.Generator, spec: NeedleSpec, cue: bool = False, 
     return frames.clip(0, 255).astype(np.uint8)
 
 
-def make_split(out: Path, split: str, count: int, seed: int, cue: bool = False, evidence_pairs: int = FRAMES // 4, progress: bool = True) -> Path:
+def make_split(out: Path, split: str, count: int, seed: int, cue: bool = False, evidence_pairs: int = EVIDENCE_PAIRS, progress: bool = True) -> Path:
     """Write `count` videos and `<split>.jsonl` (rows: video_path and video (the same path, for
     the lmms-eval task and the trainer), task_type, question, answer, label, evidence_pair,
     evidence_frames, cue) under `out`; returns the JSONL path. The first k rows of a split do
@@ -106,7 +107,7 @@ def make_split(out: Path, split: str, count: int, seed: int, cue: bool = False, 
     return jsonl
 
 
-def make_data(out: str | Path, train: int = 2000, val: int = 200, test: int = 400, seed: int = 0, cue: bool = False, evidence_pairs: int = FRAMES // 4) -> dict[str, Path]:
+def make_data(out: str | Path, train: int = 2000, val: int = 200, test: int = 400, seed: int = 0, cue: bool = False, evidence_pairs: int = EVIDENCE_PAIRS) -> dict[str, Path]:
     """The three splits, each from its own seed (seed, seed + 1, seed + 2); a split of 0 videos is skipped."""
     out = Path(out)
     splits = (("train", train), ("val", val), ("test", test))
