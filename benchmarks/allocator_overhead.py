@@ -14,6 +14,7 @@ import argparse
 from pathlib import Path
 
 import torch
+from timing import median_seconds
 
 from resadapt_eval.allocator import AllocatorPolicy, load_allocator
 from resadapt_eval.backbones.qwen import ADAPTERS
@@ -21,11 +22,8 @@ from resadapt_eval.budget.plan import base_size, plan_from_scales
 from resadapt_eval.budget.policies import BudgetSpec
 from resadapt_eval.fixtures import ensure_fixtures
 from resadapt_eval.video import decode_video
-from timing import median_seconds
 
 REPO = Path(__file__).resolve().parents[1]
-
-
 
 
 def main() -> None:
@@ -44,12 +42,21 @@ def main() -> None:
     video_path = fixtures / "smoke_videoqa" / "videos" / "smoke_000.mp4"
     query = "What colour is the moving square?"
     prompt = adapter.processor.apply_chat_template(
-        [{"role": "user", "content": [{"type": "video", "video": str(video_path)}, {"type": "text", "text": query}]}], tokenize=False, add_generation_prompt=True
+        [{"role": "user", "content": [{"type": "video", "video": str(video_path)}, {"type": "text", "text": query}]}],
+        tokenize=False,
+        add_generation_prompt=True,
     )
     px = adapter.grid.token_px
 
-    header = f"{'T':>3} {'R':>6} {'alloc ms':>9} {'text':>6} {'visual':>7} {'predict':>8} {'apply':>6} {'prefill ms':>10} {'van prefill':>11} {'gen ms':>7} {'van gen':>8} {'alloc/van prefill':>17} {'alloc/van gen':>13} {'E2E/van gen':>11}"
-    print(f"backbone={args.backbone} (tiny random, CPU, {torch.get_num_threads()} threads), allocator=builtin minilm-effnet D=1024, target R={args.retention}")
+    header = (
+        f"{'T':>3} {'R':>6} {'alloc ms':>9} {'text':>6} {'visual':>7} {'predict':>8} {'apply':>6} "
+        f"{'prefill ms':>10} {'van prefill':>11} {'gen ms':>7} {'van gen':>8} "
+        f"{'alloc/van prefill':>17} {'alloc/van gen':>13} {'E2E/van gen':>11}"
+    )
+    print(
+        f"backbone={args.backbone} (tiny random, CPU, {torch.get_num_threads()} threads), "
+        f"allocator=builtin minilm-effnet D=1024, target R={args.retention}"
+    )
     print(header)
     for T in args.frames:
         video = decode_video(video_path, T)
@@ -64,7 +71,9 @@ def main() -> None:
             stage.update(context["timings"], plan=plan, inputs=inputs)
 
         alloc_s = median_seconds(allocate, args.repeats)
-        vanilla_inputs = adapter.build_inputs(prompt, video, plan_from_scales([1.0] * len(video.indices), base, adapter.grid))
+        vanilla_inputs = adapter.build_inputs(
+            prompt, video, plan_from_scales([1.0] * len(video.indices), base, adapter.grid)
+        )
 
         def prefill(inputs):
             def run():
@@ -83,9 +92,11 @@ def main() -> None:
         van_gen_s = median_seconds(generate(vanilla_inputs), args.repeats)
         ms = 1000.0
         print(
-            f"{T:>3} {stage['plan'].retention:>6.3f} {alloc_s * ms:>9.1f} {stage['allocator_text_s'] * ms:>6.1f} {stage['allocator_visual_s'] * ms:>7.1f} "
-            f"{stage['allocator_predict_s'] * ms:>8.1f} {stage['scale_apply_s'] * ms:>6.1f} {prefill_s * ms:>10.1f} {van_prefill_s * ms:>11.1f} "
-            f"{gen_s * ms:>7.1f} {van_gen_s * ms:>8.1f} {alloc_s / van_prefill_s:>17.2f} {alloc_s / van_gen_s:>13.2f} {(alloc_s + gen_s) / van_gen_s:>11.2f}"
+            f"{T:>3} {stage['plan'].retention:>6.3f} {alloc_s * ms:>9.1f} {stage['allocator_text_s'] * ms:>6.1f} "
+            f"{stage['allocator_visual_s'] * ms:>7.1f} {stage['allocator_predict_s'] * ms:>8.1f} "
+            f"{stage['scale_apply_s'] * ms:>6.1f} {prefill_s * ms:>10.1f} {van_prefill_s * ms:>11.1f} "
+            f"{gen_s * ms:>7.1f} {van_gen_s * ms:>8.1f} {alloc_s / van_prefill_s:>17.2f} "
+            f"{alloc_s / van_gen_s:>13.2f} {(alloc_s + gen_s) / van_gen_s:>11.2f}"
         )
 
 

@@ -14,6 +14,7 @@ import argparse
 from pathlib import Path
 
 import torch
+from timing import median_seconds
 
 from resadapt_eval.backbones.qwen import ADAPTERS
 from resadapt_eval.baselines import COMPRESSORS, NEEDS_ATTENTION
@@ -21,11 +22,8 @@ from resadapt_eval.budget.plan import base_size, plan_from_scales
 from resadapt_eval.budget.policies import BudgetSpec, fixed_scale
 from resadapt_eval.fixtures import ensure_fixtures
 from resadapt_eval.video import decode_video
-from timing import median_seconds
 
 REPO = Path(__file__).resolve().parents[1]
-
-
 
 
 def main() -> None:
@@ -37,13 +35,29 @@ def main() -> None:
     args = parser.parse_args()
     fixtures = ensure_fixtures(REPO / "fixtures")
     video_path = fixtures / "smoke_videoqa" / "videos" / "smoke_000.mp4"
-    print(f"tiny random backbones on CPU ({torch.get_num_threads()} threads), target R={args.retention}, {args.max_new_tokens} new tokens, medians of {args.repeats}")
-    print(f"{'backbone':<9} {'T':>3} {'method':<12} {'tokens':>6} {'R':>6} {'prefill ms':>10} {'gen ms':>7} {'tokens/van':>10} {'prefill/van':>11} {'gen/van':>8}")
+    print(
+        f"tiny random backbones on CPU ({torch.get_num_threads()} threads), target R={args.retention}, "
+        f"{args.max_new_tokens} new tokens, medians of {args.repeats}"
+    )
+    print(
+        f"{'backbone':<9} {'T':>3} {'method':<12} {'tokens':>6} {'R':>6} {'prefill ms':>10} {'gen ms':>7} "
+        f"{'tokens/van':>10} {'prefill/van':>11} {'gen/van':>8}"
+    )
     for name, cls in ADAPTERS.items():
         adapter = cls.from_pretrained(str(fixtures / name), dtype="float32")
         px = adapter.grid.token_px
         prompt = adapter.processor.apply_chat_template(
-            [{"role": "user", "content": [{"type": "video", "video": str(video_path)}, {"type": "text", "text": "What colour is the square?"}]}], tokenize=False, add_generation_prompt=True
+            [
+                {
+                    "role": "user",
+                    "content": [
+                        {"type": "video", "video": str(video_path)},
+                        {"type": "text", "text": "What colour is the square?"},
+                    ],
+                }
+            ],
+            tokenize=False,
+            add_generation_prompt=True,
         )
         for T in args.frames:
             video = decode_video(video_path, T)
@@ -56,9 +70,20 @@ def main() -> None:
                 return lambda: adapter.build_inputs(prompt, video, plan)
 
             def compressed(method):
-                return lambda: adapter.build_compressed_inputs(prompt, video, vanilla_plan, COMPRESSORS[method], args.retention, needs_attention=method in NEEDS_ATTENTION)[0]
+                return lambda: adapter.build_compressed_inputs(
+                    prompt,
+                    video,
+                    vanilla_plan,
+                    COMPRESSORS[method],
+                    args.retention,
+                    needs_attention=method in NEEDS_ATTENTION,
+                )[0]
 
-            builders = {"vanilla": plain(vanilla_plan), "fixed_scale": plain(fixed_plan), **{m: compressed(m) for m in COMPRESSORS}}
+            builders = {
+                "vanilla": plain(vanilla_plan),
+                "fixed_scale": plain(fixed_plan),
+                **{m: compressed(m) for m in COMPRESSORS},
+            }
             rows = {}
             for method, build in builders.items():
 
@@ -77,7 +102,8 @@ def main() -> None:
             van_tokens, van_prefill, van_gen = rows["vanilla"]
             for method, (tokens, pre, gen) in rows.items():
                 print(
-                    f"{name:<9} {T:>3} {method:<12} {tokens:>6} {tokens / vanilla_plan.visual_tokens:>6.3f} {pre * 1000:>10.1f} {gen * 1000:>7.1f} "
+                    f"{name:<9} {T:>3} {method:<12} {tokens:>6} {tokens / vanilla_plan.visual_tokens:>6.3f} "
+                    f"{pre * 1000:>10.1f} {gen * 1000:>7.1f} "
                     f"{tokens / van_tokens:>10.3f} {pre / van_prefill:>11.2f} {gen / van_gen:>8.2f}"
                 )
 

@@ -39,9 +39,15 @@ def main() -> None:
     histories = run_ablation(steps=args.steps, seed=args.seed, variants={**VARIANTS, **N_CAPO}, progress=True)
     table = summarize(histories)
     print(f"\nlast 100 of {args.steps} steps, seed {args.seed}, {time.perf_counter() - t0:.0f} s")
-    print(f"{'variant':<15} {'mean scale':>10} {'scale std':>9} {'Gini':>6} {'accuracy':>8} {'score':>6} {'R~mean s^2':>10}")
+    print(
+        f"{'variant':<15} {'mean scale':>10} {'scale std':>9} {'Gini':>6} "
+        f"{'accuracy':>8} {'score':>6} {'R~mean s^2':>10}"
+    )
     for name, row in table.items():
-        print(f"{name:<15} {row['mean_scale']:>10.3f} {row['scale_std']:>9.3f} {row['gini']:>6.3f} {row['accuracy']:>8.3f} {row['reward']:>6.3f} {row['achieved_retention']:>10.3f}")
+        print(
+            f"{name:<15} {row['mean_scale']:>10.3f} {row['scale_std']:>9.3f} {row['gini']:>6.3f} "
+            f"{row['accuracy']:>8.3f} {row['reward']:>6.3f} {row['achieved_retention']:>10.3f}"
+        )
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -28,12 +28,18 @@ def main() -> None:
     parser.add_argument("--retention", type=float, default=0.25)
     args = parser.parse_args()
     adapter = Qwen25VLAdapter.from_pretrained(args.backbone, dtype="float32")
-    prompt = adapter.processor.apply_chat_template([{"role": "user", "content": [{"type": "video", "video": "v"}, {"type": "text", "text": QUESTION}]}],
-                                                   tokenize=False, add_generation_prompt=True)  # fmt: skip
+    prompt = adapter.processor.apply_chat_template(
+        [{"role": "user", "content": [{"type": "video", "video": "v"}, {"type": "text", "text": QUESTION}]}],
+        tokenize=False,
+        add_generation_prompt=True,
+    )
     rows = [json.loads(line) for line in open(args.data)][: args.limit]
     base = (SIZE, SIZE)
     fixed = np.full(FRAMES, fixed_scale_for_retention(args.retention, FRAMES, base, adapter.grid, 0.05, 1.0))
-    correct, retention = {"vanilla": [], "fixed_scale": [], "oracle": []}, {"vanilla": [], "fixed_scale": [], "oracle": []}
+    correct, retention = (
+        {"vanilla": [], "fixed_scale": [], "oracle": []},
+        {"vanilla": [], "fixed_scale": [], "oracle": []},
+    )
     for row in rows:
         video = decode_video(row["video_path"], FRAMES)
         oracle = np.full(FRAMES, 0.3)
@@ -47,7 +53,8 @@ def main() -> None:
     print(f"{'method':<12} {'R':>6} {'accuracy':>9} {'stderr':>7}  (n={len(rows)})")
     for name, values in correct.items():
         p = float(np.mean(values))
-        print(f"{name:<12} {np.mean(retention[name]):>6.3f} {100 * p:>8.1f}% {100 * np.sqrt(p * (1 - p) / len(values)):>6.1f}")
+        stderr = np.sqrt(p * (1 - p) / len(values))
+        print(f"{name:<12} {np.mean(retention[name]):>6.3f} {100 * p:>8.1f}% {100 * stderr:>6.1f}")
 
 
 if __name__ == "__main__":

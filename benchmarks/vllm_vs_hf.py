@@ -16,12 +16,12 @@ import argparse
 from pathlib import Path
 
 import torch
+from timing import median_seconds
 
 from resadapt_eval.backbones.qwen import ADAPTERS
 from resadapt_eval.budget.policies import BudgetSpec
 from resadapt_eval.fixtures import ensure_fixtures
 from resadapt_eval.pipeline import SampleRecord, VideoPipeline, VideoPipelineConfig
-from timing import median_seconds
 
 REPO = Path(__file__).resolve().parents[1]
 KV_CACHE_BYTES = 256 << 20
@@ -40,31 +40,59 @@ def main() -> None:
     fixtures = ensure_fixtures(REPO / "fixtures")
     videos = [str(p) for p in sorted((fixtures / "smoke_videoqa" / "videos").glob("*.mp4"))]
     gen = dict(max_new_tokens=args.max_new_tokens)
-    print(f"tiny random backbones, fp32 on CPU ({torch.get_num_threads()} threads), {len(videos)} smoke videos, T={args.frames}, {args.max_new_tokens} new tokens, medians of {args.repeats}")
-    print(f"{'backbone':<9} {'method':<12} {'HF s/req':>9} {'vLLM s/req':>10} {'vLLM/HF':>8} {'vLLM batched s/req':>18} {'batched/HF':>10}")
+    print(
+        f"tiny random backbones, fp32 on CPU ({torch.get_num_threads()} threads), {len(videos)} smoke videos, "
+        f"T={args.frames}, {args.max_new_tokens} new tokens, medians of {args.repeats}"
+    )
+    print(
+        f"{'backbone':<9} {'method':<12} {'HF s/req':>9} {'vLLM s/req':>10} {'vLLM/HF':>8} "
+        f"{'vLLM batched s/req':>18} {'batched/HF':>10}"
+    )
     for family, cls in ADAPTERS.items():
         path = str(fixtures / family)
         adapter = cls.from_pretrained(path, dtype="float32")
-        engine = VLLMBackbone(family, path, max_num_frames=args.frames, dtype="float32", kv_cache_memory_bytes=KV_CACHE_BYTES)
+        engine = VLLMBackbone(
+            family, path, max_num_frames=args.frames, dtype="float32", kv_cache_memory_bytes=KV_CACHE_BYTES
+        )
         prompt = adapter.processor.apply_chat_template(
-            [{"role": "user", "content": [{"type": "video"}, {"type": "text", "text": "What colour is the square?"}]}], tokenize=False, add_generation_prompt=True
+            [{"role": "user", "content": [{"type": "video"}, {"type": "text", "text": "What colour is the square?"}]}],
+            tokenize=False,
+            add_generation_prompt=True,
         )
         for method in args.methods:
-            config = VideoPipelineConfig(method=method, max_num_frames=args.frames, budget=BudgetSpec(retention=args.retention if method != "vanilla" else None))
+            config = VideoPipelineConfig(
+                method=method,
+                max_num_frames=args.frames,
+                budget=BudgetSpec(retention=args.retention if method != "vanilla" else None),
+            )
             hf, vllm = VideoPipeline(adapter, config), VideoPipeline(engine, config)
 
             def job(video):
-                return (video, prompt, "What colour is the square?", SampleRecord(doc_id=None, task=None, method=method))
+                return (
+                    video,
+                    prompt,
+                    "What colour is the square?",
+                    SampleRecord(doc_id=None, task=None, method=method),
+                )
 
             def check(results):
                 for _, record in results:
                     if record.error:
                         raise RuntimeError(record.error)
 
-            hf_s = median_seconds(lambda: [hf.run(v, prompt, gen_kwargs=gen) for v in videos], args.repeats) / len(videos)
-            one_s = median_seconds(lambda: [check(vllm.run_batch([job(v)], [gen])) for v in videos], args.repeats) / len(videos)
-            batch_s = median_seconds(lambda: check(vllm.run_batch([job(v) for v in videos], [gen] * len(videos))), args.repeats) / len(videos)
-            print(f"{family:<9} {method:<12} {hf_s:>9.3f} {one_s:>10.3f} {one_s / hf_s:>8.2f} {batch_s:>18.3f} {batch_s / hf_s:>10.2f}")
+            hf_s = median_seconds(lambda: [hf.run(v, prompt, gen_kwargs=gen) for v in videos], args.repeats) / len(
+                videos
+            )
+            one_s = median_seconds(
+                lambda: [check(vllm.run_batch([job(v)], [gen])) for v in videos], args.repeats
+            ) / len(videos)
+            batch_s = median_seconds(
+                lambda: check(vllm.run_batch([job(v) for v in videos], [gen] * len(videos))), args.repeats
+            ) / len(videos)
+            print(
+                f"{family:<9} {method:<12} {hf_s:>9.3f} {one_s:>10.3f} {one_s / hf_s:>8.2f} "
+                f"{batch_s:>18.3f} {batch_s / hf_s:>10.2f}"
+            )
         print(f"{family:<9} vLLM start-up {engine.startup_s:.1f} s")
         del engine
 

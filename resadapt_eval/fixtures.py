@@ -138,7 +138,12 @@ def build_qwen3vl(tok, seed: int = 0):
             num_key_value_heads=1,
             head_dim=32,
             max_position_embeddings=8192,
-            rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [6, 5, 5], "mrope_interleaved": True},
+            rope_parameters={
+                "rope_type": "default",
+                "rope_theta": 10000.0,
+                "mrope_section": [6, 5, 5],
+                "mrope_interleaved": True,
+            },
             eos_token_id=tok.eos_token_id,
             pad_token_id=tok.pad_token_id,
         ),
@@ -174,7 +179,14 @@ def build_smolvlm(tok, seed: int = 0):
     from transformers import SmolVLMConfig, SmolVLMForConditionalGeneration, SmolVLMImageProcessor
 
     config = SmolVLMConfig(
-        vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, image_size=64, patch_size=16),
+        vision_config=dict(
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            image_size=64,
+            patch_size=16,
+        ),
         text_config=dict(
             model_type="llama",
             vocab_size=len(tok),
@@ -249,7 +261,9 @@ def smoke_frames(rng: np.random.Generator, width: int, height: int, num_frames: 
     return frames.clip(0, 255).astype(np.uint8)
 
 
-def write_smoke_dataset(out_dir: Path, num_videos: int = 8, num_frames: int = 32, fps: float = 8.0, seed: int = 0) -> Path:
+def write_smoke_dataset(
+    out_dir: Path, num_videos: int = 8, num_frames: int = 32, fps: float = 8.0, seed: int = 0
+) -> Path:
     """Synthetic multiple-choice video QA in VideoMME's schema; returns the JSONL path.
 
     Each video shows a square of one colour; the question asks for the colour (A-D). Video paths
@@ -262,7 +276,11 @@ def write_smoke_dataset(out_dir: Path, num_videos: int = 8, num_frames: int = 32
         width, height = SMOKE_SHAPES[i % len(SMOKE_SHAPES)]
         answer = int(rng.integers(0, 4))
         video_id = f"smoke_{i:03d}"
-        write_video(out_dir / "videos" / f"{video_id}.mp4", smoke_frames(rng, width, height, num_frames, SMOKE_COLOURS[names[answer]]), fps)
+        write_video(
+            out_dir / "videos" / f"{video_id}.mp4",
+            smoke_frames(rng, width, height, num_frames, SMOKE_COLOURS[names[answer]]),
+            fps,
+        )
         records.append(
             dict(
                 question_id=f"{video_id}-1",
@@ -283,7 +301,10 @@ def write_smoke_dataset(out_dir: Path, num_videos: int = 8, num_frames: int = 32
     train = [
         dict(
             video=r["video_path"],
-            question=r["question"] + "\n" + "\n".join(r["options"]) + "\nAnswer with the option's letter from the given choices directly.",
+            question=r["question"]
+            + "\n"
+            + "\n".join(r["options"])
+            + "\nAnswer with the option's letter from the given choices directly.",
             answer=r["answer"],
             task_type="multiple_choice",
         )
@@ -312,29 +333,85 @@ def write_benchmark_fixtures(out_dir: Path, smoke_dir: Path, seed: int = 0) -> d
     rng = np.random.default_rng(seed)
     smoke = [json.loads(line) for line in (smoke_dir / "test.jsonl").read_text().splitlines()]
     duration = 4.0  # seconds: 32 frames at 8 fps
-    rows: dict[str, list[dict]] = {"videomme": [], "lvbench": [], "charades": [], "nextgqa": [], "activitynet": [], "chartqa": []}
+    rows: dict[str, list[dict]] = {
+        "videomme": [],
+        "lvbench": [],
+        "charades": [],
+        "nextgqa": [],
+        "activitynet": [],
+        "chartqa": [],
+    }
     for i, clip in enumerate(smoke[:4]):
         path, vid = clip["video_path"], clip["videoID"]
-        rows["videomme"].append({**{k: clip[k] for k in ("question_id", "videoID", "duration", "domain", "sub_category", "task_type", "question", "options", "answer")},
-                                 "video_id": f"{i:03d}", "url": f"https://www.youtube.com/watch?v={vid}", "video_path": path})  # fmt: skip
+        rows["videomme"].append(
+            {
+                **{
+                    k: clip[k]
+                    for k in (
+                        "question_id",
+                        "videoID",
+                        "duration",
+                        "domain",
+                        "sub_category",
+                        "task_type",
+                        "question",
+                        "options",
+                        "answer",
+                    )
+                },
+                "video_id": f"{i:03d}",
+                "url": f"https://www.youtube.com/watch?v={vid}",
+                "video_path": path,
+            }
+        )
         options = [o.split(". ", 1)[1] for o in clip["options"]]
-        rows["lvbench"].append(dict(uid=i, key=vid, type=["entity recognition"], time_reference="00:01-00:03", video_path=path,
-                                    question=clip["question"], options=options, answer=clip["answer"]))  # fmt: skip
+        rows["lvbench"].append(
+            dict(
+                uid=i,
+                key=vid,
+                type=["entity recognition"],
+                time_reference="00:01-00:03",
+                video_path=path,
+                question=clip["question"],
+                options=options,
+                answer=clip["answer"],
+            )
+        )
         start = round(float(rng.uniform(0.5, 1.5)), 1)
         segment = [start, round(start + float(rng.uniform(1.0, 2.0)), 1)]
         caption = "a coloured square moves across the frame"
-        rows["charades"].append(dict(video=f"{vid}.mp4", caption=caption, timestamp=segment, duration=duration, video_path=path))
-        rows["activitynet"].append(dict(video=vid, caption=caption, timestamp=segment, duration=duration, video_path=path))
-        rows["nextgqa"].append(dict(video=vid, qid=i, question="What moves across the frame while the square is visible?",
-                                    options=["a square", "a dog", "a car", "nothing", "a person"], answer="A",
-                                    segments=[segment], duration=duration, video_path=path))  # fmt: skip
+        rows["charades"].append(
+            dict(video=f"{vid}.mp4", caption=caption, timestamp=segment, duration=duration, video_path=path)
+        )
+        rows["activitynet"].append(
+            dict(video=vid, caption=caption, timestamp=segment, duration=duration, video_path=path)
+        )
+        rows["nextgqa"].append(
+            dict(
+                video=vid,
+                qid=i,
+                question="What moves across the frame while the square is visible?",
+                options=["a square", "a dog", "a car", "nothing", "a person"],
+                answer="A",
+                segments=[segment],
+                duration=duration,
+                video_path=path,
+            )
+        )
         chart = smoke_frames(rng, 224, 168, 1, (40, 80, 220))[0]
         image_path = out_dir / "chartqa" / "images" / f"chart_{i:03d}.png"
         image_path.parent.mkdir(parents=True, exist_ok=True)
         from PIL import Image
 
         Image.fromarray(chart).save(image_path)
-        rows["chartqa"].append(dict(question="What is the largest value?", answer=str(10 * (i + 1)), type="human_test", image_path=str(image_path.resolve())))
+        rows["chartqa"].append(
+            dict(
+                question="What is the largest value?",
+                answer=str(10 * (i + 1)),
+                type="human_test",
+                image_path=str(image_path.resolve()),
+            )
+        )
     paths = {}
     for name, records in rows.items():
         path = out_dir / name / "test.jsonl"

@@ -33,7 +33,13 @@ class DecodedVideo:
     def subset(self, keep: list[int]) -> "DecodedVideo":
         """The frames at positions `keep` (sorted into time order), no longer uniformly spaced."""
         keep = sorted(keep)
-        return DecodedVideo(frames=self.frames[keep], indices=[self.indices[i] for i in keep], total_frames=self.total_frames, fps=self.fps, uniform=False)
+        return DecodedVideo(
+            frames=self.frames[keep],
+            indices=[self.indices[i] for i in keep],
+            total_frames=self.total_frames,
+            fps=self.fps,
+            uniform=False,
+        )
 
     @property
     def sampled_fps(self) -> float:

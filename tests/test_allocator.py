@@ -6,7 +6,14 @@ import pytest
 import torch
 from torch.distributions import Beta
 
-from resadapt_eval.allocator import Allocator, AllocatorConfig, AllocatorPolicy, CheckpointError, beta_actions, logit_normal_actions
+from resadapt_eval.allocator import (
+    Allocator,
+    AllocatorConfig,
+    AllocatorPolicy,
+    CheckpointError,
+    beta_actions,
+    logit_normal_actions,
+)
 from resadapt_eval.allocator.model import FORMAT_VERSION
 from resadapt_eval.budget.plan import QWEN3VL_GRID, QWEN25VL_GRID, base_size, plan_from_scales, project_to_retention
 from resadapt_eval.budget.policies import BudgetSpec
@@ -14,7 +21,9 @@ from resadapt_eval.video import DecodedVideo
 
 
 def tiny_config(**overrides):
-    return AllocatorConfig(**{**dict(encoder="tiny", width=32, num_heads=4, num_layers=2, head_init_std=0.5), **overrides})
+    return AllocatorConfig(
+        **{**dict(encoder="tiny", width=32, num_heads=4, num_layers=2, head_init_std=0.5), **overrides}
+    )
 
 
 def frames(num_frames=8, seed=0, height=48, width=64):
@@ -34,7 +43,9 @@ def test_log_density_is_the_sum_of_per_frame_beta_log_densities_by_hand():
     a = torch.tensor([[0.25, 0.5, 0.9]])
 
     def log_beta_pdf(x, p, q):  # (p-1) log x + (q-1) log(1-x) - log B(p, q)
-        return (p - 1) * math.log(x) + (q - 1) * math.log(1 - x) - (math.lgamma(p) + math.lgamma(q) - math.lgamma(p + q))
+        return (
+            (p - 1) * math.log(x) + (q - 1) * math.log(1 - x) - (math.lgamma(p) + math.lgamma(q) - math.lgamma(p + q))
+        )
 
     # Beta(2, 3) at 0.25: 0.25 * 0.75^2 * 12 = 1.6875
     assert log_beta_pdf(0.25, 2.0, 3.0) == pytest.approx(math.log(1.6875))
@@ -242,13 +253,19 @@ def test_logit_normal_policy_for_the_n_capo_ablation(tmp_path):
     a = torch.tensor([[0.2, 0.5, 0.7, 0.9]])
     mu0, sigma0 = allocator(**feats)
     z = torch.log(a / (1 - a))
-    by_hand = (-0.5 * ((z - mu0) / sigma0) ** 2 - torch.log(sigma0) - 0.5 * math.log(2 * math.pi) - torch.log(a * (1 - a))).sum()
-    assert Allocator.log_prob(dist, a, torch.ones(1, 4, dtype=torch.bool)).item() == pytest.approx(by_hand.item(), rel=1e-5)
+    by_hand = (
+        -0.5 * ((z - mu0) / sigma0) ** 2 - torch.log(sigma0) - 0.5 * math.log(2 * math.pi) - torch.log(a * (1 - a))
+    ).sum()
+    assert Allocator.log_prob(dist, a, torch.ones(1, 4, dtype=torch.bool)).item() == pytest.approx(
+        by_hand.item(), rel=1e-5
+    )
     # Initialised at scale 1.0 (median), sigma = init_sigma; saves and loads like the Beta head.
     assert torch.allclose(scales_of(allocator, frames(4), "q"), torch.ones(4), atol=1e-5)
     assert torch.allclose(sigma0, torch.full_like(sigma0, 0.5), atol=1e-5)
     allocator.save_pretrained(tmp_path / "n")
-    assert torch.equal(scales_of(Allocator.from_pretrained(tmp_path / "n"), frames(4), "q"), scales_of(allocator, frames(4), "q"))
+    assert torch.equal(
+        scales_of(Allocator.from_pretrained(tmp_path / "n"), frames(4), "q"), scales_of(allocator, frames(4), "q")
+    )
 
 
 def test_frame_norm_layer_normalises_the_frozen_features_before_the_projection():

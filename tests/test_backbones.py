@@ -13,7 +13,9 @@ BACKBONES = ["qwen25vl", "qwen3vl"]
 
 
 def chat_prompt(adapter, question="Which colour is the square?"):
-    messages = [{"role": "user", "content": [{"type": "video", "video": "clip.mp4"}, {"type": "text", "text": question}]}]
+    messages = [
+        {"role": "user", "content": [{"type": "video", "video": "clip.mp4"}, {"type": "text", "text": question}]}
+    ]
     return adapter.processor.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
 
 
@@ -30,14 +32,28 @@ def stock_inputs(adapter, prompt, video, base_hw):
     if len(frames) % 2:
         frames = torch.cat([frames, frames[-1:]])
     metadata = VideoMetadata(total_num_frames=video.total_frames, fps=video.fps, frames_indices=list(video.indices))
-    inputs = adapter.processor(text=[prompt], videos=[frames], video_metadata=[metadata], do_resize=False, do_sample_frames=False, return_tensors="pt")
+    inputs = adapter.processor(
+        text=[prompt],
+        videos=[frames],
+        video_metadata=[metadata],
+        do_resize=False,
+        do_sample_frames=False,
+        return_tensors="pt",
+    )
     return dict(inputs)
 
 
 @torch.inference_mode()
 def first_logits_and_text(adapter, inputs, steps=4):
     adapter.model.model.rope_deltas = None
-    out = adapter.model.generate(**inputs, max_new_tokens=steps, do_sample=False, output_logits=True, return_dict_in_generate=True, pad_token_id=adapter.tokenizer.pad_token_id)
+    out = adapter.model.generate(
+        **inputs,
+        max_new_tokens=steps,
+        do_sample=False,
+        output_logits=True,
+        return_dict_in_generate=True,
+        pad_token_id=adapter.tokenizer.pad_token_id,
+    )
     return out.logits[0][0], out.sequences[0, inputs["input_ids"].shape[1] :]
 
 
@@ -85,7 +101,12 @@ def test_qwen25vl_mixed_sizes_keep_each_pairs_time_and_own_grid(adapters):
     video = synthetic_video(8)
     base_hw = (112, 140)
     stock = stock_inputs(adapter, prompt, video, base_hw)
-    stock_pos, _ = adapter.model.model.get_rope_index(stock["input_ids"], stock["mm_token_type_ids"], video_grid_thw=stock["video_grid_thw"], second_per_grid_ts=stock["second_per_grid_ts"])
+    stock_pos, _ = adapter.model.model.get_rope_index(
+        stock["input_ids"],
+        stock["mm_token_type_ids"],
+        video_grid_thw=stock["video_grid_thw"],
+        second_per_grid_ts=stock["second_per_grid_ts"],
+    )
     stock_grid = plan_from_scales([1.0] * 8, base_hw, adapter.grid).grids
     stock_blocks = video_position_blocks(stock_pos[:, 0], stock["mm_token_type_ids"], stock_grid)
 
@@ -123,7 +144,9 @@ def test_qwen3vl_mixed_sizes_keep_each_pairs_timestamp_and_own_grid(adapters):
     assert timestamps(ours["input_ids"]) == timestamps(stock["input_ids"])
     assert len(timestamps(ours["input_ids"])) == len(plan.grids)
 
-    positions, _ = adapter.model.model.get_rope_index(ours["input_ids"], ours["mm_token_type_ids"], video_grid_thw=ours["video_grid_thw"])
+    positions, _ = adapter.model.model.get_rope_index(
+        ours["input_ids"], ours["mm_token_type_ids"], video_grid_thw=ours["video_grid_thw"]
+    )
     blocks = video_position_blocks(positions[:, 0], ours["mm_token_type_ids"], plan.grids)
     for (_, h, w), block in zip(plan.grids, blocks):
         t0 = int(block[0, 0])

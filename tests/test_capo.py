@@ -127,7 +127,9 @@ def test_similarity_and_concentration_losses():
     assert similarity_loss(feats, scales, CFG).item() == pytest.approx(expected, rel=1e-5)
     # eta shifts the hinge: with eta = 1 pair 1 (log 0.6 + 1 > 0) counts, weighted by sig(-0.55/0.12)
     shifted = similarity_loss(feats, scales, CAPOConfig(eta_sim=1.0)).item()
-    assert shifted == pytest.approx((sig(0.45 / 0.12) * (math.log(1.8) + 1) + sig(-0.55 / 0.12) * (math.log(0.6) + 1)) / 2, rel=1e-5)
+    assert shifted == pytest.approx(
+        (sig(0.45 / 0.12) * (math.log(1.8) + 1) + sig(-0.55 / 0.12) * (math.log(0.6) + 1)) / 2, rel=1e-5
+    )
     alpha, beta = torch.tensor([10.0, 15.0]), torch.tensor([5.0, 10.0])
     assert concentration_loss(alpha, beta, kappa_max=20.0).item() == pytest.approx(2.5)
 
@@ -147,7 +149,14 @@ def test_backbone_token_ppo_and_importance_weight():
 def test_rewards():
     assert exact_match("  The Eiffel Tower. ", "the eiffel tower") == 1.0
     assert exact_match("<think>hmm</think><answer>\\boxed{Paris}</answer>", "paris") == 1.0
-    for text, letter in [("B", "B"), ("(C) a dog", "C"), ("D. blue", "D"), ("The answer is A", "A"), ("Answer: b", "B"), ("no idea", None)]:
+    for text, letter in [
+        ("B", "B"),
+        ("(C) a dog", "C"),
+        ("D. blue", "D"),
+        ("The answer is A", "A"),
+        ("Answer: b", "B"),
+        ("no idea", None),
+    ]:
         assert choice_letter(text) == letter, text
     assert numeric("about 3.141", "3.14") == 1.0 and numeric("3.16", "3.14") == 0.0
     assert numeric("1,000.004", "1000") == 1.0 and numeric("none", "1") == 0.0

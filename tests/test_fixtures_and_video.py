@@ -38,7 +38,17 @@ def test_smoke_dataset_has_videomme_columns_and_decodable_videos(fixtures_dir):
     records = [json.loads(line) for line in lines]
     assert len(records) == 8
     for r in records:
-        for column in ("question_id", "videoID", "duration", "domain", "sub_category", "task_type", "question", "options", "answer"):
+        for column in (
+            "question_id",
+            "videoID",
+            "duration",
+            "domain",
+            "sub_category",
+            "task_type",
+            "question",
+            "options",
+            "answer",
+        ):
             assert column in r
         assert r["answer"] in "ABCD" and len(r["options"]) == 4
     video = decode_video(records[0]["video_path"], max_num_frames=8)

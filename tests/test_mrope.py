@@ -45,4 +45,6 @@ def test_temporal_indices_after_selection_follow_elapsed_seconds():
 
 def test_runs_beyond_the_prompt_are_refused():
     with pytest.raises(ValueError, match="beyond the prompt"):
-        qwen25_mrope_positions(3, [VisionRun(offset=1, grids=[(1, 2, 2)], second_per_grid_ts=[1.0])], tokens_per_second=2)
+        qwen25_mrope_positions(
+            3, [VisionRun(offset=1, grids=[(1, 2, 2)], second_per_grid_ts=[1.0])], tokens_per_second=2
+        )

@@ -4,7 +4,6 @@
 import json
 import subprocess
 import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -32,7 +31,14 @@ def mc_sample(fixtures_dir):
 def letter_logprobs(adapter, inputs, letters="ABCD"):
     """Independent path: teacher-forced log-probabilities of each letter after the prompt."""
     with torch.no_grad():
-        return torch.stack([adapter.sequence_logprobs(inputs, torch.tensor(adapter.tokenizer(x, add_special_tokens=False)["input_ids"]))[0] for x in letters])
+        return torch.stack(
+            [
+                adapter.sequence_logprobs(
+                    inputs, torch.tensor(adapter.tokenizer(x, add_special_tokens=False)["input_ids"])
+                )[0]
+                for x in letters
+            ]
+        )
 
 
 def test_choice_logits_reward_is_the_argmax_letter_checked_by_teacher_forcing(adapters, mc_sample):
@@ -41,7 +47,11 @@ def test_choice_logits_reward_is_the_argmax_letter_checked_by_teacher_forcing(ad
     prompt = engine.prompt(mc_sample)
     scales = np.array([[1.0, 1.0, 0.5, 0.5], [0.5, 0.5, 1.0, 1.0]])
     for allocation in scales:
-        inputs = adapter.build_inputs(prompt.state["chat"], prompt.state["video"], plan_from_scales(allocation, prompt.state["base"], adapter.grid))
+        inputs = adapter.build_inputs(
+            prompt.state["chat"],
+            prompt.state["video"],
+            plan_from_scales(allocation, prompt.state["base"], adapter.grid),
+        )
         best = "ABCD"[int(letter_logprobs(adapter, inputs).argmax())]
         for answer in "ABCD":
             prompt.sample = TrainSample(mc_sample.video, mc_sample.question, answer, "multiple_choice")
@@ -54,7 +64,9 @@ def test_choice_probs_at_temperature_are_the_softmax_of_the_letters_logprobs(ada
     adapter = adapters["qwen3vl"]
     engine = HFRolloutEngine(adapter, max_num_frames=4, budget=BudgetSpec(), answer="choice_logits", temperature=0.7)
     prompt = engine.prompt(mc_sample)
-    inputs = adapter.build_inputs(prompt.state["chat"], prompt.state["video"], plan_from_scales(np.ones(4), prompt.state["base"], adapter.grid))
+    inputs = adapter.build_inputs(
+        prompt.state["chat"], prompt.state["video"], plan_from_scales(np.ones(4), prompt.state["base"], adapter.grid)
+    )
     expected = torch.softmax(letter_logprobs(adapter, inputs) / 0.7, dim=0)
     assert torch.allclose(engine.choice_probs(inputs), expected, atol=1e-5)
 
@@ -75,12 +87,28 @@ def test_projected_rollouts_spend_exactly_the_projection_budget(adapters, mc_sam
     scales = np.array([[1.5, 1.5, 0.3, 0.3, 0.6, 0.6, 0.9, 0.9], [0.4, 0.4, 0.4, 0.4, 1.8, 1.8, 0.2, 0.2]])
     fixed = HFRolloutEngine(adapter, max_num_frames=8, budget=budget, answer="choice_logits", retention=0.4)
     prompt = fixed.prompt(mc_sample)
-    expected = [plan_from_scales(project_to_retention(s, 0.4, prompt.state["base"], adapter.grid, 0.2, 1.0), prompt.state["base"], adapter.grid).retention for s in scales]
+    expected = [
+        plan_from_scales(
+            project_to_retention(s, 0.4, prompt.state["base"], adapter.grid, 0.2, 1.0),
+            prompt.state["base"],
+            adapter.grid,
+        ).retention
+        for s in scales
+    ]
     out = fixed.rollouts(prompt, scales, n=1)
     assert out.retention.tolist() == pytest.approx(expected) and max(expected) <= 0.4
-    ranged = HFRolloutEngine(adapter, max_num_frames=8, budget=budget, answer="choice_logits", retention=(0.3, 0.6), seed=3)
+    ranged = HFRolloutEngine(
+        adapter, max_num_frames=8, budget=budget, answer="choice_logits", retention=(0.3, 0.6), seed=3
+    )
     drawn = float(0.3 + 0.3 * torch.rand((), generator=torch.Generator().manual_seed(3)))  # the engine's first draw
-    expected = [plan_from_scales(project_to_retention(s, drawn, prompt.state["base"], adapter.grid, 0.2, 1.0), prompt.state["base"], adapter.grid).retention for s in scales]
+    expected = [
+        plan_from_scales(
+            project_to_retention(s, drawn, prompt.state["base"], adapter.grid, 0.2, 1.0),
+            prompt.state["base"],
+            adapter.grid,
+        ).retention
+        for s in scales
+    ]
     assert ranged.rollouts(prompt, scales, n=1).retention.tolist() == pytest.approx(expected)
     with pytest.raises(ValueError, match="retention must be"):
         HFRolloutEngine(adapter, max_num_frames=8, budget=budget, retention=(0.6, 0.3))
@@ -97,11 +125,32 @@ def test_needle_train_allocator_writes_a_loadable_checkpoint(tmp_path):
     path = tmp_path / "needle_allocator.yaml"
     path.write_text(yaml.safe_dump(config))
     out = tmp_path / "allocator"
-    proc = subprocess.run([sys.executable, "-m", "resadapt_eval.cli", "needle", "train-allocator", "--config", str(path), "--out", str(out)],
-                          cwd=REPO, capture_output=True, text=True, timeout=300)  # fmt: skip
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "resadapt_eval.cli",
+            "needle",
+            "train-allocator",
+            "--config",
+            str(path),
+            "--out",
+            str(out),
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     allocator = Allocator.from_pretrained(out)
-    assert (allocator.config.encoder, allocator.config.frame_norm, allocator.config.width, allocator.config.s_min, allocator.config.s_max) == ("tiny", True, 64, 0.1, 1.9)
+    assert (
+        allocator.config.encoder,
+        allocator.config.frame_norm,
+        allocator.config.width,
+        allocator.config.s_min,
+        allocator.config.s_max,
+    ) == ("tiny", True, 64, 0.1, 1.9)
     assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors", "training.txt"]
     assert "steps=2 " in (out / "training.txt").read_text()
     metrics = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
@@ -127,13 +176,37 @@ def test_cell_summary_by_hand(tmp_path):
         scales = [0.3] * 8
         top = ev if i < 3 else 0  # videos 0-2: the evidence pair is highest; video 3: pair 0 is
         scales[2 * top] = scales[2 * top + 1] = 1.0
-        records.append(dict(video=video, scales=scales, error=None, achieved_retention=0.25, task="resadapt_needle", doc_id=i))
-    records.append(dict(video=str(tmp_path / "v0.mkv"), scales=[1.0] * 8, error="VideoDecodeError: x", achieved_retention=None, task="resadapt_needle", doc_id=4))
-    run = CellRun(card="needle", backbone="qwen25vl", paper_backbone=None, method="resadapt", retention=0.25, frames=16, path=tmp_path / "cell",
-                  records=records, outcomes={("resadapt_needle", i): s for i, s in enumerate([1.0, 1.0, 0.0, 1.0, 0.0])})  # fmt: skip
+        records.append(
+            dict(video=video, scales=scales, error=None, achieved_retention=0.25, task="resadapt_needle", doc_id=i)
+        )
+    records.append(
+        dict(
+            video=str(tmp_path / "v0.mkv"),
+            scales=[1.0] * 8,
+            error="VideoDecodeError: x",
+            achieved_retention=None,
+            task="resadapt_needle",
+            doc_id=4,
+        )
+    )
+    run = CellRun(
+        card="needle",
+        backbone="qwen25vl",
+        paper_backbone=None,
+        method="resadapt",
+        retention=0.25,
+        frames=16,
+        path=tmp_path / "cell",
+        records=records,
+        outcomes={("resadapt_needle", i): s for i, s in enumerate([1.0, 1.0, 0.0, 1.0, 0.0])},
+    )
     cell = summarize_cell(run, rows)
     assert cell.evidence_fraction == pytest.approx(0.75) and cell.evidence_se == pytest.approx(np.sqrt(0.75 * 0.25 / 4))
-    assert cell.accuracy == pytest.approx(0.6) and cell.accuracy_se == pytest.approx(np.sqrt(0.6 * 0.4 / 5)) and cell.n == 5
+    assert (
+        cell.accuracy == pytest.approx(0.6)
+        and cell.accuracy_se == pytest.approx(np.sqrt(0.6 * 0.4 / 5))
+        and cell.n == 5
+    )
     assert cell.achieved_retention == pytest.approx(0.25)
     assert binomial_se(0.5, 100) == pytest.approx(0.05)
     assert "| ResAdapt | 0.25 | 0.250 | 60.0 ± 21.9 | 75.0 ± 21.7 | 5 |" in to_markdown([cell])
@@ -150,7 +223,10 @@ def test_committed_needle_allocator_spends_r025_on_the_evidence_pair(tmp_path):
 
     policy = AllocatorPolicy(load_allocator(str(REPO / "results" / "needle" / "allocator-qwen25vl")))
     spec = BudgetSpec(retention=0.25, s_min=0.1, s_max=1.0)  # the needle card's range
-    rows = [json.loads(line) for line in make_split(tmp_path, "test", 8, seed=2, cue=True, progress=False).read_text().splitlines()]
+    rows = [
+        json.loads(line)
+        for line in make_split(tmp_path, "test", 8, seed=2, cue=True, progress=False).read_text().splitlines()
+    ]
     full = 0
     for row in rows:
         context = {"video": decode_video(row["video_path"], 16), "query": row["question"]}

@@ -30,8 +30,14 @@ def test_split_is_seeded_lossless_and_marks_the_evidence(tmp_path):
         video = decode_video(row["video_path"], 16)
         assert video.frames.shape == (16, 224, 224, 3)
         assert row["answer"] in "ABCD" and CLASSES[row["label"]] in row["question"]
-        assert row["evidence_frames"] == [2 * row["evidence_pair"], 2 * row["evidence_pair"] + 1] and row["evidence_pair"] < 4
-        evidence, other = video.frames[row["evidence_frames"][0]].astype(int), video.frames[row["evidence_frames"][0] + 4].astype(int)
+        assert (
+            row["evidence_frames"] == [2 * row["evidence_pair"], 2 * row["evidence_pair"] + 1]
+            and row["evidence_pair"] < 4
+        )
+        evidence, other = (
+            video.frames[row["evidence_frames"][0]].astype(int),
+            video.frames[row["evidence_frames"][0] + 4].astype(int),
+        )
 
         def alternation(frame):  # largest second difference along rows or columns
             return max(np.abs(np.diff(frame, n=2, axis=axis)).max() for axis in (0, 1))
@@ -55,7 +61,10 @@ def test_backbone_trainer_runs_both_stages_and_saves(tmp_path):
 
 
 def test_evidence_pairs_widens_where_the_evidence_may_sit(tmp_path):
-    rows = [json.loads(line) for line in make_split(tmp_path, "train", 40, seed=1, evidence_pairs=8, progress=False).read_text().splitlines()]
+    rows = [
+        json.loads(line)
+        for line in make_split(tmp_path, "train", 40, seed=1, evidence_pairs=8, progress=False).read_text().splitlines()
+    ]
     pairs = {r["evidence_pair"] for r in rows}
     assert pairs <= set(range(8)) and max(pairs) >= 4  # 40 draws from 8 pairs reach the second half
     with pytest.raises(ValueError, match="evidence_pairs must be in 1..8"):

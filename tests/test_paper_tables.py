@@ -17,37 +17,96 @@ LEADING = {"backbone", "frames", "method", "retention", "reasoning"}
 TABLES = {
     "video_qa.csv": (
         51,
-        ["backbone", "frames", "method", "retention", "reasoning",
-         "videomme", "longvideobench", "mmvu", "mlvu", "videommmu", "lvbench"],
+        [
+            "backbone",
+            "frames",
+            "method",
+            "retention",
+            "reasoning",
+            "videomme",
+            "longvideobench",
+            "mmvu",
+            "mlvu",
+            "videommmu",
+            "lvbench",
+        ],
     ),
     "temporal_grounding.csv": (
         45,
-        ["backbone", "frames", "method", "retention", "reasoning",
-         "charades_r0.3", "charades_r0.5", "charades_r0.7", "charades_miou",
-         "activitynet_r0.3", "activitynet_r0.5", "activitynet_r0.7", "activitynet_miou",
-         "nextgqa_acc", "nextgqa_miou"],
+        [
+            "backbone",
+            "frames",
+            "method",
+            "retention",
+            "reasoning",
+            "charades_r0.3",
+            "charades_r0.5",
+            "charades_r0.7",
+            "charades_miou",
+            "activitynet_r0.3",
+            "activitynet_r0.5",
+            "activitynet_r0.7",
+            "activitynet_miou",
+            "nextgqa_acc",
+            "nextgqa_miou",
+        ],
     ),
     "image.csv": (
         11,
-        ["backbone", "method",
-         "mathvista_testmini", "mathvista_testmini_retention", "mmmu_val", "mmmu_val_retention",
-         "ocrbench", "ocrbench_retention", "chartqa", "chartqa_retention",
-         "ai2d", "ai2d_retention", "textvqa_val", "textvqa_val_retention"],
+        [
+            "backbone",
+            "method",
+            "mathvista_testmini",
+            "mathvista_testmini_retention",
+            "mmmu_val",
+            "mmmu_val_retention",
+            "ocrbench",
+            "ocrbench_retention",
+            "chartqa",
+            "chartqa_retention",
+            "ai2d",
+            "ai2d_retention",
+            "textvqa_val",
+            "textvqa_val_retention",
+        ],
     ),
     "frame_selection.csv": (
         8,
-        ["frames", "method", "videomme", "longvideobench", "lvbench", "mmvu",
-         "videomme_avg_frames", "videomme_retention",
-         "longvideobench_avg_frames", "longvideobench_retention",
-         "lvbench_avg_frames", "lvbench_retention",
-         "mmvu_avg_frames", "mmvu_retention"],
+        [
+            "frames",
+            "method",
+            "videomme",
+            "longvideobench",
+            "lvbench",
+            "mmvu",
+            "videomme_avg_frames",
+            "videomme_retention",
+            "longvideobench_avg_frames",
+            "longvideobench_retention",
+            "lvbench_avg_frames",
+            "lvbench_retention",
+            "mmvu_avg_frames",
+            "mmvu_retention",
+        ],
     ),
     "latency.csv": (
         16,
-        ["method", "frames", "retention",
-         "scale_tflops", "scale_text_enc_ms", "scale_visual_enc_ms", "scale_pred_ms",
-         "scale_apply_ms", "scale_time_ms", "inference_tflops", "ttft_ms", "gen_time_ms",
-         "total_tflops", "e2e_time_ms"],
+        [
+            "method",
+            "frames",
+            "retention",
+            "scale_tflops",
+            "scale_text_enc_ms",
+            "scale_visual_enc_ms",
+            "scale_pred_ms",
+            "scale_apply_ms",
+            "scale_time_ms",
+            "inference_tflops",
+            "ttft_ms",
+            "gen_time_ms",
+            "total_tflops",
+            "e2e_time_ms",
+        ],
     ),
 }
 
@@ -115,12 +174,20 @@ def test_video_qa_cells():
     # Table benchmark_qa, Qwen2.5-VL-7B, 32 frames, ResAdapt at 11.4%: VideoMMMU 45.7
     assert cell(QA, "videommmu", backbone="Qwen2.5-VL-7B", frames=32, method="ResAdapt", retention="11.4") == "45.7"
     # Table benchmark_qa, Qwen2.5-VL-7B, 32 frames, FlashVid at 29.3%: LongVideoBench 58.6
-    assert cell(QA, "longvideobench", backbone="Qwen2.5-VL-7B", frames=32, method="FlashVid", retention="29.3") == "58.6"
+    assert (
+        cell(QA, "longvideobench", backbone="Qwen2.5-VL-7B", frames=32, method="FlashVid", retention="29.3") == "58.6"
+    )
     # Table benchmark_qa, Qwen2.5-VL-7B, 128 frames, ResAdapt at 22.9%: VideoMMMU 51.1
     assert cell(QA, "videommmu", backbone="Qwen2.5-VL-7B", frames=128, method="ResAdapt", retention="22.9") == "51.1"
     # Table benchmark_qa, Qwen2.5-VL-7B, 128 frames, VideoAuto-R1 + ResAdapt at 23.8% (reasoning): MLVU 66.0
-    assert cell(QA, "mlvu", backbone="Qwen2.5-VL-7B", frames=128, method="VideoAuto-R1 + ResAdapt", retention="23.8") == "66.0"
-    assert cell(QA, "reasoning", backbone="Qwen2.5-VL-7B", frames=128, method="VideoAuto-R1 + ResAdapt", retention="23.8") == "true"
+    assert (
+        cell(QA, "mlvu", backbone="Qwen2.5-VL-7B", frames=128, method="VideoAuto-R1 + ResAdapt", retention="23.8")
+        == "66.0"
+    )
+    assert (
+        cell(QA, "reasoning", backbone="Qwen2.5-VL-7B", frames=128, method="VideoAuto-R1 + ResAdapt", retention="23.8")
+        == "true"
+    )
     # Table benchmark_qa, Qwen3-VL-8B, 32 frames, FlashVid at 30.0%: VideoMME 63.9
     assert cell(QA, "videomme", backbone="Qwen3-VL-8B", frames=32, method="FlashVid", retention="30.0") == "63.9"
     # Table benchmark_qa, Qwen3-VL-8B, 128 frames, ResAdapt at 11.1%: MLVU 69.4, MMVU 55.4
@@ -140,11 +207,23 @@ def test_temporal_grounding_cells():
     assert cell(TG, "charades_miou", backbone="Qwen2.5-VL-7B", frames=32, method="ResAdapt", retention="16.2") == "35.6"
     assert cell(TG, "charades_r0.3", backbone="Qwen2.5-VL-7B", frames=32, method="ResAdapt", retention="16.2") == "53.8"
     # Table benchmark_grounding, Qwen2.5-VL-7B, 32 frames, FixedScale at 6.3%: ActivityNet R@0.7 3.9
-    assert cell(TG, "activitynet_r0.7", backbone="Qwen2.5-VL-7B", frames=32, method="FixedScale", retention="6.3") == "3.9"
+    assert (
+        cell(TG, "activitynet_r0.7", backbone="Qwen2.5-VL-7B", frames=32, method="FixedScale", retention="6.3") == "3.9"
+    )
     # Table benchmark_grounding, Qwen2.5-VL-7B, 128 frames, VideoAuto-R1 at 100%: Charades mIoU 28.9
     assert cell(TG, "charades_miou", backbone="Qwen2.5-VL-7B", frames=128, method="VideoAuto-R1") == "28.9"
     # Table benchmark_grounding, Qwen2.5-VL-7B, 128 frames, VideoAuto-R1 + ResAdapt at 16.1%: Charades mIoU 49.1
-    assert cell(TG, "charades_miou", backbone="Qwen2.5-VL-7B", frames=128, method="VideoAuto-R1 + ResAdapt", retention="16.1") == "49.1"
+    assert (
+        cell(
+            TG,
+            "charades_miou",
+            backbone="Qwen2.5-VL-7B",
+            frames=128,
+            method="VideoAuto-R1 + ResAdapt",
+            retention="16.1",
+        )
+        == "49.1"
+    )
     # Table benchmark_grounding, Qwen3-VL-8B, 32 frames, Random Drop at 10.0%: Charades R@0.7 0.7, NExT-GQA Acc 74.3
     assert cell(TG, "charades_r0.7", backbone="Qwen3-VL-8B", frames=32, method="Random Drop", retention="10.0") == "0.7"
     assert cell(TG, "nextgqa_acc", backbone="Qwen3-VL-8B", frames=32, method="Random Drop", retention="10.0") == "74.3"
@@ -152,7 +231,9 @@ def test_temporal_grounding_cells():
     assert cell(TG, "nextgqa_miou", backbone="Qwen3-VL-8B", frames=128, method="Vanilla") == "36.6"
     # Table benchmark_grounding, Qwen3-VL-8B, 128 frames, ResAdapt at 6.8%: NExT-GQA mIoU 43.9, ActivityNet mIoU 28.4
     assert cell(TG, "nextgqa_miou", backbone="Qwen3-VL-8B", frames=128, method="ResAdapt", retention="6.8") == "43.9"
-    assert cell(TG, "activitynet_miou", backbone="Qwen3-VL-8B", frames=128, method="ResAdapt", retention="6.8") == "28.4"
+    assert (
+        cell(TG, "activitynet_miou", backbone="Qwen3-VL-8B", frames=128, method="ResAdapt", retention="6.8") == "28.4"
+    )
 
 
 # --- table:benchmark_image ----------------------------------------------------------------

@@ -18,21 +18,47 @@ CARD = REPO / "model_cards" / "tiny-qwen25vl.yaml"
 
 
 def sweep_cmd(output, methods, retention="0.25", limit=3, card=CARD):
-    return [sys.executable, "-m", "resadapt_eval.cli", "sweep", "--card", str(card), "--methods", methods,
-            "--retention", retention, "--output", str(output), "--limit", str(limit)]  # fmt: skip
+    return [
+        sys.executable,
+        "-m",
+        "resadapt_eval.cli",
+        "sweep",
+        "--card",
+        str(card),
+        "--methods",
+        methods,
+        "--retention",
+        retention,
+        "--output",
+        str(output),
+        "--limit",
+        str(limit),
+    ]
 
 
 @pytest.fixture(scope="session")
 def run_dir(fixtures_dir, tmp_path_factory):
     out = tmp_path_factory.mktemp("sweep")
-    proc = subprocess.run(sweep_cmd(out, "vanilla,fixed_scale,resadapt", retention="0.5,0.25", limit=4), cwd=REPO, capture_output=True, text=True, timeout=900)
+    proc = subprocess.run(
+        sweep_cmd(out, "vanilla,fixed_scale,resadapt", retention="0.5,0.25", limit=4),
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return out
 
 
 def test_sweep_cells_and_records(run_dir):
     cells = sorted(p.parent.name for p in run_dir.glob("*/cell.json"))
-    assert cells == ["fixed_scale-r0.25-f8", "fixed_scale-r0.5-f8", "resadapt-r0.25-f8", "resadapt-r0.5-f8", "vanilla-f8"]
+    assert cells == [
+        "fixed_scale-r0.25-f8",
+        "fixed_scale-r0.5-f8",
+        "resadapt-r0.25-f8",
+        "resadapt-r0.5-f8",
+        "vanilla-f8",
+    ]
     for name in cells:
         meta = json.loads((run_dir / name / "cell.json").read_text())
         assert meta["status"] == "done" and meta["error"] is None
@@ -45,11 +71,19 @@ def test_every_table_cell_equals_the_results_json_and_r_the_sidecar_mean(run_dir
     assert table.name == "video_qa" and table.columns == ["resadapt_smoke_videoqa"]
     assert len(table.rows) == 5
     for row in table.rows:
-        cell = "vanilla-f8" if row["target"] is None else f"{ {'Vanilla': 'vanilla', 'FixedScale': 'fixed_scale', 'ResAdapt': 'resadapt'}[row['method']] }-r{row['target']:g}-f8"
+        method = {"Vanilla": "vanilla", "FixedScale": "fixed_scale", "ResAdapt": "resadapt"}[row["method"]]
+        cell = "vanilla-f8" if row["target"] is None else f"{method}-r{row['target']:g}-f8"
         meta = json.loads((run_dir / cell / "cell.json").read_text())
         results = json.loads((run_dir / cell / meta["results"]).read_text())
-        assert row["resadapt_smoke_videoqa"] == results["results"]["resadapt_smoke_videoqa"]["videomme_perception_score,none"]
-        records = [json.loads(line) for p in (run_dir / cell).rglob("resadapt_samples_*.jsonl") for line in p.read_text().splitlines()]
+        assert (
+            row["resadapt_smoke_videoqa"]
+            == results["results"]["resadapt_smoke_videoqa"]["videomme_perception_score,none"]
+        )
+        records = [
+            json.loads(line)
+            for p in (run_dir / cell).rglob("resadapt_samples_*.jsonl")
+            for line in p.read_text().splitlines()
+        ]
         assert len(records) == 4
         assert row["R"] == pytest.approx(sum(r["achieved_retention"] for r in records) / len(records))
         if row["target"] is not None:
@@ -58,7 +92,13 @@ def test_every_table_cell_equals_the_results_json_and_r_the_sidecar_mean(run_dir
     assert markdown.count("\n| ") == 1 + 5  # header + rows
     assert r"\toprule" in latex and r"\bottomrule" in latex and latex.count(r"\\") == 1 + 5
     # the CLI writes md, tex and csv
-    proc = subprocess.run([sys.executable, "-m", "resadapt_eval.cli", "tables", str(run_dir), "--paper"], cwd=REPO, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-m", "resadapt_eval.cli", "tables", str(run_dir), "--paper"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert {p.name for p in (run_dir / "tables").iterdir()} == {"video_qa.md", "video_qa.tex", "video_qa.csv"}
     assert "resadapt_smoke_videoqa (paper)" in proc.stdout  # the tiny card has no paper rows: the columns show —
@@ -115,7 +155,13 @@ def test_a_failing_cell_is_recorded_and_the_sweep_goes_on(fixtures_dir, tmp_path
     card.update(pretrained=str(tmp_path / "no-such-model"), include_path=str(REPO / "tasks"))
     bad_card = tmp_path / "bad.yaml"
     bad_card.write_text(yaml.safe_dump(card))
-    proc = subprocess.run(sweep_cmd(tmp_path / "run", "vanilla", limit=1, card=bad_card), cwd=REPO, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        sweep_cmd(tmp_path / "run", "vanilla", limit=1, card=bad_card),
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 1
     meta = json.loads((tmp_path / "run" / "vanilla-f8" / "cell.json").read_text())
     assert meta["status"] == "failed" and "no-such-model" in meta["error"]
@@ -127,9 +173,18 @@ def test_paper_numbers_sit_beside_ours_with_deltas(tmp_path):
     from resadapt_eval.report.tables import paper_row, read_paper
 
     rows = read_paper(REPO / "results" / "paper" / "video_qa.csv")
-    run = CellRun(card="qwen25vl-7b-32f", backbone="qwen25vl", paper_backbone="Qwen2.5-VL-7B", method="random_drop", retention=0.25, frames=32, path=tmp_path,
-                  scores={"videomme": 60.0}, columns_by_table={"video_qa": ["videomme"]},
-                  records=[dict(task="videomme", error=None, achieved_retention=0.25)])  # fmt: skip
+    run = CellRun(
+        card="qwen25vl-7b-32f",
+        backbone="qwen25vl",
+        paper_backbone="Qwen2.5-VL-7B",
+        method="random_drop",
+        retention=0.25,
+        frames=32,
+        path=tmp_path,
+        scores={"videomme": 60.0},
+        columns_by_table={"video_qa": ["videomme"]},
+        records=[dict(task="videomme", error=None, achieved_retention=0.25)],
+    )
     assert paper_row(rows, run)["videomme"] == "58.9"
     # the nearest retention wins: FixedScale at a 0.10 target is the paper's 12.3% row
     fixed = CellRun(**{**run.__dict__, "method": "fixed_scale", "retention": 0.10})

@@ -25,7 +25,9 @@ def test_select_frames():
 def selected_video(num_candidates=16, keep=(0, 1, 5, 6, 12, 13)):
     rng = np.random.default_rng(0)
     frames = rng.integers(0, 256, (num_candidates, 112, 140, 3), dtype=np.uint8)
-    candidates = DecodedVideo(frames=frames, indices=[3 * i for i in range(num_candidates)], total_frames=3 * num_candidates, fps=6.0)
+    candidates = DecodedVideo(
+        frames=frames, indices=[3 * i for i in range(num_candidates)], total_frames=3 * num_candidates, fps=6.0
+    )
     return candidates.subset(list(keep))
 
 
@@ -34,7 +36,9 @@ def test_qwen25vl_pair_positions_follow_frame_time_after_selection(adapters):
     video = selected_video()
     assert not video.uniform and video.indices == [0, 3, 15, 18, 36, 39]
     plan = plan_from_scales([1.0, 1.0, 0.5, 0.5, 1.5, 1.5], (112, 140), adapter.grid)
-    inputs = adapter.build_inputs(chat_prompt(adapter, "When does the square appear? Answer with start and end seconds."), video, plan)
+    inputs = adapter.build_inputs(
+        chat_prompt(adapter, "When does the square appear? Answer with start and end seconds."), video, plan
+    )
     blocks = video_position_blocks(inputs["position_ids"][:, 0], inputs["mm_token_type_ids"], plan.grids)
     start = int(torch.nonzero(inputs["mm_token_type_ids"][0] == VIDEO_TOKEN_TYPE)[0])
     tps = adapter.model.config.vision_config.tokens_per_second
@@ -48,7 +52,9 @@ def test_qwen3vl_grounding_prompt_has_one_timestamp_per_pair(adapters):
     adapter = adapters["qwen3vl"]
     video = selected_video()
     plan = plan_from_scales([1.0] * 6, (128, 160), adapter.grid)
-    inputs = adapter.build_inputs(chat_prompt(adapter, "When does the square appear? Answer with start and end seconds."), video, plan)
+    inputs = adapter.build_inputs(
+        chat_prompt(adapter, "When does the square appear? Answer with start and end seconds."), video, plan
+    )
     text = adapter.tokenizer.decode(inputs["input_ids"][0])
     # pair timestamps = mean of the pair's frame times: (0+3)/2/6, (15+18)/2/6, (36+39)/2/6 seconds
     assert [part.split(" seconds>")[0] for part in text.split("<")[1:] if " seconds>" in part] == ["0.2", "2.8", "6.2"]

@@ -46,7 +46,13 @@ def tiny_config(tmp_path, fixtures_dir, **train_overrides):
 
 
 def train_cli(*args):
-    return subprocess.run([sys.executable, "-m", "resadapt_eval.cli", "train", *args], cwd=REPO, capture_output=True, text=True, timeout=600)
+    return subprocess.run(
+        [sys.executable, "-m", "resadapt_eval.cli", "train", *args],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
 
 
 def test_train_cli_checkpoints_resumes_and_the_checkpoint_runs_in_lmms_eval(fixtures_dir, tmp_path):
@@ -78,7 +84,14 @@ def test_train_cli_checkpoints_resumes_and_the_checkpoint_runs_in_lmms_eval(fixt
     assert any(not torch.equal(w3[k], w4[k]) for k in w3)
 
     out = tmp_path / "eval"
-    model_args = dict(pretrained=fixtures_dir / "qwen25vl", method="resadapt", allocator=ckpt, retention=0.25, max_num_frames=8, device="cpu")
+    model_args = dict(
+        pretrained=fixtures_dir / "qwen25vl",
+        method="resadapt",
+        allocator=ckpt,
+        retention=0.25,
+        max_num_frames=8,
+        device="cpu",
+    )
     proc = run_lmms_eval("resadapt_qwen25vl", model_args, out)
     assert proc.returncode == 0, proc.stderr[-3000:]
     records = sidecar_records(out)
@@ -111,8 +124,10 @@ def test_training_data_formats_and_errors(tmp_path):
 
     from resadapt_eval.train.data import load_samples
 
-    rows = [dict(video="clips/a.mp4", question="Q?", answer="B", task_type="multiple_choice"),
-            dict(video="/abs/b.mp4", question="When?", answer="", task_type="temporal_grounding", segments=[[1.0, 2.5]])]  # fmt: skip
+    rows = [
+        dict(video="clips/a.mp4", question="Q?", answer="B", task_type="multiple_choice"),
+        dict(video="/abs/b.mp4", question="When?", answer="", task_type="temporal_grounding", segments=[[1.0, 2.5]]),
+    ]
     jsonl = tmp_path / "train.jsonl"
     jsonl.write_text("".join(json.dumps(r) + "\n" for r in rows))
     samples = load_samples(jsonl)

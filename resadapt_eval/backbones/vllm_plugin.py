@@ -11,4 +11,6 @@ def register() -> None:
     from vllm import ModelRegistry
 
     if QWEN25VL_ARCHITECTURE not in ModelRegistry.get_supported_archs():
-        ModelRegistry.register_model(QWEN25VL_ARCHITECTURE, f"resadapt_eval.backbones.vllm_qwen:{QWEN25VL_ARCHITECTURE}")
+        ModelRegistry.register_model(
+            QWEN25VL_ARCHITECTURE, f"resadapt_eval.backbones.vllm_qwen:{QWEN25VL_ARCHITECTURE}"
+        )

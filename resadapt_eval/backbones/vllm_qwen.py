@@ -27,7 +27,11 @@ def vision_runs(mm_features, spatial_merge_size: int) -> list[VisionRun]:
         data = feature.data
         t, h, w = data[f"{feature.modality}_grid_thw"].data.tolist()
         grid = (t, h // spatial_merge_size, w // spatial_merge_size)
-        seconds = data["second_per_grid_ts"].data.item() if feature.modality == "video" and data.get("second_per_grid_ts") else 1.0
+        seconds = (
+            data["second_per_grid_ts"].data.item()
+            if feature.modality == "video" and data.get("second_per_grid_ts")
+            else 1.0
+        )
         offset = feature.mm_position.offset
         if feature.modality == "video" and runs and runs[-1].offset + runs[-1].num_tokens == offset:
             runs[-1].grids.append(grid)

@@ -60,7 +60,9 @@ def per_pair_budget(pair_sizes: list[int], keep: int) -> list[int]:
     return budget
 
 
-def merge_groups(assignment: torch.Tensor, *features: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
+def merge_groups(
+    assignment: torch.Tensor, *features: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
     """Destinations (sorted kept token indices), group sizes, and each feature tensor (N, D)
     reduced to the mean over each group's members, (K, D)."""
     members = assignment != DROPPED
@@ -71,4 +73,3 @@ def merge_groups(assignment: torch.Tensor, *features: torch.Tensor) -> tuple[tor
         sums.index_add_(0, inverse, f[members].float())
         merged.append((sums / sizes[:, None]).to(f.dtype))
     return destinations, sizes, merged
-

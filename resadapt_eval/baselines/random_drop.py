@@ -11,7 +11,10 @@ def compress(tokens: VisualTokens, keep: int, seed: int = 0) -> torch.Tensor:
     """One random token per pair first (every pair keeps at least one), the rest uniformly."""
     n = tokens.features.shape[0]
     generator = torch.Generator().manual_seed(seed)
-    chosen = [start + int(torch.randint(size, (1,), generator=generator)) for start, size in zip(tokens.pair_starts, tokens.pair_sizes)]
+    chosen = [
+        start + int(torch.randint(size, (1,), generator=generator))
+        for start, size in zip(tokens.pair_starts, tokens.pair_sizes)
+    ]
     remaining = torch.ones(n, dtype=torch.bool)
     remaining[chosen] = False
     pool = torch.nonzero(remaining).flatten()

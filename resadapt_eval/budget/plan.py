@@ -67,7 +67,9 @@ def scaled_size(
         raise ValueError(f"scale must be positive, got {scale}")
     px = grid.token_px
     max_pixels = (max_tokens if max_tokens is not None else 1 << 40) * px * px
-    return smart_resize(base_hw[0] * scale, base_hw[1] * scale, factor=px, min_pixels=min_tokens * px * px, max_pixels=max_pixels)
+    return smart_resize(
+        base_hw[0] * scale, base_hw[1] * scale, factor=px, min_pixels=min_tokens * px * px, max_pixels=max_pixels
+    )
 
 
 def pair_frames(num_frames: int, temporal_patch: int = 2) -> list[tuple[int, ...]]:

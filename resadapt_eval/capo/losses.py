@@ -80,7 +80,9 @@ def asymmetric_shaping(cost: torch.Tensor, correct: torch.Tensor, pivot: torch.T
     return torch.where(correct.bool(), bonus, penalty)
 
 
-def capo_advantage(task_reward: torch.Tensor, cost: torch.Tensor, correct: torch.Tensor, cfg: CAPOConfig) -> torch.Tensor:
+def capo_advantage(
+    task_reward: torch.Tensor, cost: torch.Tensor, correct: torch.Tensor, cfg: CAPOConfig
+) -> torch.Tensor:
     """A_{m,n}   [Eq. capo_adv]; task_reward (M, N), cost (M,), correct (M, N) -> (M, N).
 
     A~ = A^base + lambda_capo * S - gamma * c_m;  A = max(A~, eps_+) on correct rollouts.
@@ -91,7 +93,9 @@ def capo_advantage(task_reward: torch.Tensor, cost: torch.Tensor, correct: torch
     return torch.where(correct.bool(), shaped.clamp(min=cfg.eps_pos), shaped)
 
 
-def rollout_advantage(task_reward: torch.Tensor, cost: torch.Tensor, correct: torch.Tensor, cfg: CAPOConfig) -> torch.Tensor:
+def rollout_advantage(
+    task_reward: torch.Tensor, cost: torch.Tensor, correct: torch.Tensor, cfg: CAPOConfig
+) -> torch.Tensor:
     """Per-rollout advantage (M, N) under the configured variant (CAPO or an ablation)."""
     if cfg.advantage == "capo":
         return capo_advantage(task_reward, cost, correct, cfg)
@@ -105,7 +109,14 @@ def allocation_advantage(advantage: torch.Tensor) -> torch.Tensor:
     return advantage.mean(dim=-1)
 
 
-def allocator_ppo_loss(logp_new: torch.Tensor, logp_old: torch.Tensor, advantage: torch.Tensor, mask: torch.Tensor, clip_low: float, clip_high: float) -> torch.Tensor:
+def allocator_ppo_loss(
+    logp_new: torch.Tensor,
+    logp_old: torch.Tensor,
+    advantage: torch.Tensor,
+    mask: torch.Tensor,
+    clip_low: float,
+    clip_high: float,
+) -> torch.Tensor:
     """L_theta   [Eq. loss_theta]: per-frame clipped surrogate.
 
     logp_new, logp_old: log Beta(a_t^(m)) under theta and theta_old, (M, T); advantage (M,);

@@ -6,10 +6,10 @@ moving discs or squares (edges ~3 px, so distractors carry no fine detail); no p
 would not compress losslessly (about 80 KB a video without it, over 1 MB with it). One
 frame pair, at a random position among the first `evidence_pairs` pairs (default 4: the first
 half; the Allocator's training split uses all 8 so that position alone cannot find it), carries a
-glyph 12-20 px wide whose class is a pattern at the pixel Nyquist frequency with the background's mean colour (zero-mean contrast):
-alternating rows, alternating columns, a grid, or a checkerboard. Downscaling averages the
-pattern away, so a downscaled evidence pair is unreadable. With `cue=True` the evidence frames
-also get a coarse bright border that a cheap encoder can see.
+glyph 12-20 px wide whose class is a pattern at the pixel Nyquist frequency with the background's
+mean colour (zero-mean contrast): alternating rows, alternating columns, a grid, or a checkerboard.
+Downscaling averages the pattern away, so a downscaled evidence pair is unreadable. With
+`cue=True` the evidence frames also get a coarse bright border that a cheap encoder can see.
 
 Videos are lossless (libx264rgb, qp 0, Matroska), so the glyph survives storage exactly.
 """
@@ -26,7 +26,11 @@ from ..fixtures import write_video
 
 CLASSES = ("horizontal stripes", "vertical stripes", "grid", "checkerboard")
 LETTERS = "ABCD"
-QUESTION = "Which symbol appears in the video?\n" + "\n".join(f"{l}. {c}" for l, c in zip(LETTERS, CLASSES)) + "\nAnswer with the option's letter."
+QUESTION = (
+    "Which symbol appears in the video?\n"
+    + "\n".join(f"{letter}. {c}" for letter, c in zip(LETTERS, CLASSES))
+    + "\nAnswer with the option's letter."
+)
 SIZE, FRAMES, FPS = 224, 16, 8
 EVIDENCE_PAIRS = FRAMES // 4  # default: the evidence pair lies in the first half
 
@@ -82,7 +86,15 @@ def render_video(rng: np.random.Generator, spec: NeedleSpec, cue: bool = False, 
     return frames.clip(0, 255).astype(np.uint8)
 
 
-def make_split(out: Path, split: str, count: int, seed: int, cue: bool = False, evidence_pairs: int = EVIDENCE_PAIRS, progress: bool = True) -> Path:
+def make_split(
+    out: Path,
+    split: str,
+    count: int,
+    seed: int,
+    cue: bool = False,
+    evidence_pairs: int = EVIDENCE_PAIRS,
+    progress: bool = True,
+) -> Path:
     """Write `count` videos and `<split>.jsonl` (rows: video_path and video (the same path, for
     the lmms-eval task and the trainer), task_type, question, answer, label, evidence_pair,
     evidence_frames, cue) under `out`; returns the JSONL path. The first k rows of a split do
@@ -90,28 +102,56 @@ def make_split(out: Path, split: str, count: int, seed: int, cue: bool = False, 
     from tqdm import tqdm
 
     if not 1 <= evidence_pairs <= FRAMES // 2:
-        raise ValueError(f"evidence_pairs must be in 1..{FRAMES // 2} (a video has {FRAMES // 2} frame pairs), got {evidence_pairs}")
+        raise ValueError(
+            f"evidence_pairs must be in 1..{FRAMES // 2} (a video has {FRAMES // 2} frame pairs), got {evidence_pairs}"
+        )
     rng = np.random.default_rng(seed)
     rows = []
     for i in tqdm(range(count), desc=f"needle {split}", disable=not progress):
         glyph = int(rng.integers(12, 21))
-        spec = NeedleSpec(label=int(rng.integers(0, 4)), evidence_pair=int(rng.integers(0, evidence_pairs)), glyph=glyph,
-                          x=int(rng.integers(8, SIZE - glyph - 8)), y=int(rng.integers(8, SIZE - glyph - 8)))  # fmt: skip
+        spec = NeedleSpec(
+            label=int(rng.integers(0, 4)),
+            evidence_pair=int(rng.integers(0, evidence_pairs)),
+            glyph=glyph,
+            x=int(rng.integers(8, SIZE - glyph - 8)),
+            y=int(rng.integers(8, SIZE - glyph - 8)),
+        )
         path = out / split / f"needle_{split}_{i:05d}.mkv"
         write_video(path, render_video(rng, spec, cue), FPS, lossless=True)
-        rows.append(dict(video_path=str(path.resolve()), video=str(path.resolve()), task_type="multiple_choice", question=QUESTION, answer=LETTERS[spec.label], label=spec.label,
-                         evidence_pair=spec.evidence_pair, evidence_frames=[2 * spec.evidence_pair, 2 * spec.evidence_pair + 1], cue=cue))  # fmt: skip
+        rows.append(
+            dict(
+                video_path=str(path.resolve()),
+                video=str(path.resolve()),
+                task_type="multiple_choice",
+                question=QUESTION,
+                answer=LETTERS[spec.label],
+                label=spec.label,
+                evidence_pair=spec.evidence_pair,
+                evidence_frames=[2 * spec.evidence_pair, 2 * spec.evidence_pair + 1],
+                cue=cue,
+            )
+        )
     jsonl = out / f"{split}.jsonl"
     jsonl.parent.mkdir(parents=True, exist_ok=True)
     jsonl.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return jsonl
 
 
-def make_data(out: str | Path, train: int = 2000, val: int = 200, test: int = 400, seed: int = 0, cue: bool = False, evidence_pairs: int = EVIDENCE_PAIRS) -> dict[str, Path]:
+def make_data(
+    out: str | Path,
+    train: int = 2000,
+    val: int = 200,
+    test: int = 400,
+    seed: int = 0,
+    cue: bool = False,
+    evidence_pairs: int = EVIDENCE_PAIRS,
+) -> dict[str, Path]:
     """The three splits, each from its own seed (seed, seed + 1, seed + 2); a split of 0 videos is skipped."""
     out = Path(out)
     splits = (("train", train), ("val", val), ("test", test))
-    return {split: make_split(out, split, n, seed + k, cue, evidence_pairs) for k, (split, n) in enumerate(splits) if n > 0}
+    return {
+        split: make_split(out, split, n, seed + k, cue, evidence_pairs) for k, (split, n) in enumerate(splits) if n > 0
+    }
 
 
 def ensure_test_split(out: str | Path, count: int, seed: int = 0, cue: bool = True) -> Path:

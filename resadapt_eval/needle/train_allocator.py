@@ -31,7 +31,11 @@ def train_allocator(config: str | Path, out: str | Path, steps: int | None = Non
     for name in ("config.json", "model.safetensors"):
         shutil.copy2(final / name, out / name)
     tail = history[-10:]
-    summary = {k: float(np.mean([h[k] for h in tail])) for k in ("accuracy", "achieved_retention", "mean_scale", "gini")} if tail else {}
+    summary = (
+        {k: float(np.mean([h[k] for h in tail])) for k in ("accuracy", "achieved_retention", "mean_scale", "gini")}
+        if tail
+        else {}
+    )
     (out / "training.txt").write_text(
         f"resadapt-eval needle train-allocator --config {config} --out {out}\n"
         f"steps={trainer.step} seconds={seconds:.0f}\n"

@@ -34,31 +34,70 @@ def build_needle_backbone(seed: int = 0):
     """Qwen2.5-VL architecture, ~1.2M parameters: text hidden 128 (4 heads of 32), 3 layers; vision
     hidden 96, depth 2, windowed attention only (no full-attention block, like the local
     attention of real towers). Returns (model, processor)."""
-    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration, Qwen2_5_VLProcessor, Qwen2VLImageProcessor, Qwen2VLVideoProcessor
+    from transformers import (
+        Qwen2_5_VLConfig,
+        Qwen2_5_VLForConditionalGeneration,
+        Qwen2_5_VLProcessor,
+        Qwen2VLImageProcessor,
+        Qwen2VLVideoProcessor,
+    )
 
     tok = build_tokenizer()
     config = Qwen2_5_VLConfig(
-        text_config=dict(vocab_size=len(tok), hidden_size=128, intermediate_size=256, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
-                         max_position_embeddings=8192, rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [4, 6, 6]},
-                         bos_token_id=None, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id),
-        vision_config=dict(depth=2, hidden_size=96, intermediate_size=192, num_heads=2, patch_size=14, spatial_merge_size=2, temporal_patch_size=2,
-                           window_size=112, out_hidden_size=128, fullatt_block_indexes=[], tokens_per_second=2),
+        text_config=dict(
+            vocab_size=len(tok),
+            hidden_size=128,
+            intermediate_size=256,
+            num_hidden_layers=3,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=8192,
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [4, 6, 6]},
+            bos_token_id=None,
+            eos_token_id=tok.eos_token_id,
+            pad_token_id=tok.pad_token_id,
+        ),
+        vision_config=dict(
+            depth=2,
+            hidden_size=96,
+            intermediate_size=192,
+            num_heads=2,
+            patch_size=14,
+            spatial_merge_size=2,
+            temporal_patch_size=2,
+            window_size=112,
+            out_hidden_size=128,
+            fullatt_block_indexes=[],
+            tokens_per_second=2,
+        ),
         **_token_ids(tok),
-    )  # fmt: skip
+    )
     torch.manual_seed(seed)
     model = Qwen2_5_VLForConditionalGeneration(config)
     common = dict(patch_size=14, merge_size=2, temporal_patch_size=2, image_mean=IMAGE_MEAN, image_std=IMAGE_STD)
-    processor = Qwen2_5_VLProcessor(image_processor=Qwen2VLImageProcessor(**common), video_processor=Qwen2VLVideoProcessor(**common), tokenizer=tok, chat_template=CHAT_TEMPLATE)
+    processor = Qwen2_5_VLProcessor(
+        image_processor=Qwen2VLImageProcessor(**common),
+        video_processor=Qwen2VLVideoProcessor(**common),
+        tokenizer=tok,
+        chat_template=CHAT_TEMPLATE,
+    )
     return model, processor
 
 
 def random_spec(rng: np.random.Generator, glyph_range=(12, 20), pairs: int = PAIRS) -> NeedleSpec:
     glyph = int(rng.integers(glyph_range[0], glyph_range[1] + 1))
-    return NeedleSpec(label=int(rng.integers(0, 4)), evidence_pair=int(rng.integers(0, min(pairs, PAIRS // 2))), glyph=glyph,
-                      x=int(rng.integers(8, SIZE - glyph - 8)), y=int(rng.integers(8, SIZE - glyph - 8)))  # fmt: skip
+    return NeedleSpec(
+        label=int(rng.integers(0, 4)),
+        evidence_pair=int(rng.integers(0, min(pairs, PAIRS // 2))),
+        glyph=glyph,
+        x=int(rng.integers(8, SIZE - glyph - 8)),
+        y=int(rng.integers(8, SIZE - glyph - 8)),
+    )
 
 
-def train_vision_stage(model, processor, rng, steps: int, batch: int, lr: float, progress: bool, cue_fraction: float = 0.0) -> list[float]:
+def train_vision_stage(
+    model, processor, rng, steps: int, batch: int, lr: float, progress: bool, cue_fraction: float = 0.0
+) -> list[float]:
     """Stage 1: the vision tower and merger learn the glyph classes on single full-size pairs."""
     head = nn.Linear(model.config.vision_config.out_hidden_size, 4)
     params = list(model.model.visual.parameters()) + list(head.parameters())
@@ -69,7 +108,12 @@ def train_vision_stage(model, processor, rng, steps: int, batch: int, lr: float,
         shrink = min(1.0, step / (0.6 * steps))
         lo, hi = round(40 - 28 * shrink), round(48 - 28 * shrink)
         specs = [random_spec(rng, (lo, hi), pairs=1) for _ in range(batch)]
-        pairs = [torch.from_numpy(render_video(rng, s, cue=bool(cue_fraction and rng.random() < cue_fraction), num_frames=2)).permute(0, 3, 1, 2) for s in specs]
+        pairs = [
+            torch.from_numpy(
+                render_video(rng, s, cue=bool(cue_fraction and rng.random() < cue_fraction), num_frames=2)
+            ).permute(0, 3, 1, 2)
+            for s in specs
+        ]
         video = processor.video_processor(videos=pairs, do_resize=False, do_sample_frames=False, return_tensors="pt")
         features = model.model.get_video_features(video["pixel_values_videos"], video["video_grid_thw"]).pooler_output
         logits = head(torch.stack([f.max(dim=0).values for f in features]))
@@ -96,17 +140,32 @@ def sample_scales(rng: np.random.Generator, pairs: int, evidence: int) -> np.nda
     return np.repeat(pair_scales, 2)
 
 
-def train_answer_stage(adapter: Qwen25VLAdapter, rng, steps: int, batch: int, lr: float, progress: bool, full_curriculum: bool = False,
-                       cue_fraction: float = 0.0) -> list[float]:  # fmt: skip
+def train_answer_stage(
+    adapter: Qwen25VLAdapter,
+    rng,
+    steps: int,
+    batch: int,
+    lr: float,
+    progress: bool,
+    full_curriculum: bool = False,
+    cue_fraction: float = 0.0,
+) -> list[float]:
     """Stage 2: the whole model on the answer letter, through per-pair inputs (`full_curriculum`:
     up to all pairs from the first step, when continuing a trained model)."""
     model, tok = adapter.model, adapter.tokenizer
     vision = set(id(p) for p in model.model.visual.parameters())
     optimizer = torch.optim.AdamW(
-        [{"params": [p for p in model.parameters() if id(p) in vision], "lr": lr * 0.2},
-         {"params": [p for p in model.parameters() if id(p) not in vision], "lr": lr}], weight_decay=0.01)  # fmt: skip
-    prompt = adapter.processor.apply_chat_template([{"role": "user", "content": [{"type": "video", "video": "needle"}, {"type": "text", "text": QUESTION}]}],
-                                                   tokenize=False, add_generation_prompt=True)  # fmt: skip
+        [
+            {"params": [p for p in model.parameters() if id(p) in vision], "lr": lr * 0.2},
+            {"params": [p for p in model.parameters() if id(p) not in vision], "lr": lr},
+        ],
+        weight_decay=0.01,
+    )
+    prompt = adapter.processor.apply_chat_template(
+        [{"role": "user", "content": [{"type": "video", "video": "needle"}, {"type": "text", "text": QUESTION}]}],
+        tokenize=False,
+        add_generation_prompt=True,
+    )
     end = tok.convert_tokens_to_ids("<|im_end|>")
     history = []
     bar = tqdm(range(steps), desc="needle stage 2 (answer)", disable=not progress)
@@ -117,9 +176,13 @@ def train_answer_stage(adapter: Qwen25VLAdapter, rng, steps: int, batch: int, lr
         for _ in range(batch):
             pairs = int(rng.integers(1, max_pairs + 1))
             spec = random_spec(rng, pairs=pairs)
-            frames = render_video(rng, spec, cue=bool(cue_fraction and rng.random() < cue_fraction), num_frames=2 * pairs)
+            frames = render_video(
+                rng, spec, cue=bool(cue_fraction and rng.random() < cue_fraction), num_frames=2 * pairs
+            )
             video = DecodedVideo(frames=frames, indices=list(range(2 * pairs)), total_frames=2 * pairs, fps=float(FPS))
-            plan = plan_from_scales(sample_scales(rng, pairs, spec.evidence_pair), (SIZE, SIZE), adapter.grid, min_tokens_per_pair=1)
+            plan = plan_from_scales(
+                sample_scales(rng, pairs, spec.evidence_pair), (SIZE, SIZE), adapter.grid, min_tokens_per_pair=1
+            )
             inputs = adapter.build_inputs(prompt, video, plan)
             answer = torch.tensor([tok(LETTERS[spec.label])["input_ids"][0], end])
             logprobs = adapter.sequence_logprobs(inputs, answer)
@@ -132,8 +195,17 @@ def train_answer_stage(adapter: Qwen25VLAdapter, rng, steps: int, batch: int, lr
     return history
 
 
-def train_backbone(out: str | Path, stage1_steps: int = 500, stage2_steps: int = 700, batch: int = 16, seed: int = 0, init: str | None = None,
-                   lr: float = 1e-3, cue_fraction: float = 0.0, progress: bool = True) -> Path:  # fmt: skip
+def train_backbone(
+    out: str | Path,
+    stage1_steps: int = 500,
+    stage2_steps: int = 700,
+    batch: int = 16,
+    seed: int = 0,
+    init: str | None = None,
+    lr: float = 1e-3,
+    cue_fraction: float = 0.0,
+    progress: bool = True,
+) -> Path:
     """Train both stages (or continue from the `init` folder) and `save_pretrained` model and
     processor to `out`; `cue_fraction`: share of training videos rendered with the cue."""
     torch.manual_seed(seed)
@@ -147,13 +219,24 @@ def train_backbone(out: str | Path, stage1_steps: int = 500, stage2_steps: int =
     t0 = time.perf_counter()
     train_vision_stage(model, processor, rng, stage1_steps, batch, 2e-3, progress, cue_fraction)
     adapter = Qwen25VLAdapter(model, processor)
-    train_answer_stage(adapter, rng, stage2_steps, max(1, batch // 2), lr, progress, full_curriculum=bool(init), cue_fraction=cue_fraction)
+    train_answer_stage(
+        adapter,
+        rng,
+        stage2_steps,
+        max(1, batch // 2),
+        lr,
+        progress,
+        full_curriculum=bool(init),
+        cue_fraction=cue_fraction,
+    )
     model.eval()
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out)
     processor.save_pretrained(out)
     with open(out / "training.txt", "a") as log:
-        log.write(f"init={init} seed={seed} stage1_steps={stage1_steps} stage2_steps={stage2_steps} batch={batch} lr={lr} cue_fraction={cue_fraction} seconds={time.perf_counter() - t0:.0f}\n")
+        log.write(
+            f"init={init} seed={seed} stage1_steps={stage1_steps} stage2_steps={stage2_steps} batch={batch} lr={lr} "
+            f"cue_fraction={cue_fraction} seconds={time.perf_counter() - t0:.0f}\n"
+        )
     return out
-

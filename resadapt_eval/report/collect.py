@@ -17,11 +17,18 @@ TASK_METRICS = {
     "mlvu_dev": [("mlvu_percetion_score", "mlvu")],
     "video_mmmu": [("mmmu_acc", "videommmu")],
     "lvbench": [("lvbench_score", "lvbench")],
-    "resadapt_activitynet_tg": [("r0.3", "activitynet_r0.3"), ("r0.5", "activitynet_r0.5"), ("r0.7", "activitynet_r0.7"), ("miou", "activitynet_miou")],
+    "resadapt_activitynet_tg": [
+        ("r0.3", "activitynet_r0.3"),
+        ("r0.5", "activitynet_r0.5"),
+        ("r0.7", "activitynet_r0.7"),
+        ("miou", "activitynet_miou"),
+    ],
     "resadapt_nextgqa": [("acc", "nextgqa_acc"), ("miou", "nextgqa_miou")],
     "temporal_grounding_charades": [
-        ("charades_sta_IOU@3", "charades_r0.3"), ("charades_sta_IOU@5", "charades_r0.5"),
-        ("charades_sta_IOU@7", "charades_r0.7"), ("charades_sta_mIOU", "charades_miou"),
+        ("charades_sta_IOU@3", "charades_r0.3"),
+        ("charades_sta_IOU@5", "charades_r0.5"),
+        ("charades_sta_IOU@7", "charades_r0.7"),
+        ("charades_sta_mIOU", "charades_miou"),
     ],  # fmt: skip
     "mmmu_val": [("mmmu_acc", "mmmu_val")],
     "ocrbench": [("ocrbench_accuracy", "ocrbench")],
@@ -74,14 +81,29 @@ class CellRun:
 
     def achieved_retention(self, table: str | None = None) -> float | None:
         """Mean sidecar R over the cell's successful samples (of one table's tasks)."""
-        rs = [r["achieved_retention"] for r in self.records if r["error"] is None and (table is None or table_of(r["task"]) == table)]
+        rs = [
+            r["achieved_retention"]
+            for r in self.records
+            if r["error"] is None and (table is None or table_of(r["task"]) == table)
+        ]
         return sum(rs) / len(rs) if rs else None
 
 
 def sample_score(sample: dict) -> float | None:
     """A logged sample's score: the first metric value that is a number or holds a `score`."""
     for key, value in sample.items():
-        if key in ("doc_id", "doc", "target", "arguments", "resps", "filtered_resps", "token_counts", "doc_hash", "input", "input_media"):
+        if key in (
+            "doc_id",
+            "doc",
+            "target",
+            "arguments",
+            "resps",
+            "filtered_resps",
+            "token_counts",
+            "doc_hash",
+            "input",
+            "input_media",
+        ):
             continue
         if isinstance(value, dict) and isinstance(value.get("score"), (int, float)):
             return float(value["score"])
@@ -99,8 +121,15 @@ def collect(run_dir: str | Path) -> list[CellRun]:
             continue
         cell_dir = cell_file.parent
         results = json.loads((cell_dir / meta["results"]).read_text())
-        run = CellRun(card=meta["card"], backbone=meta["backbone"], paper_backbone=meta.get("paper_backbone"), method=meta["method"],
-                      retention=meta["retention"], frames=meta["frames"], path=cell_dir)  # fmt: skip
+        run = CellRun(
+            card=meta["card"],
+            backbone=meta["backbone"],
+            paper_backbone=meta.get("paper_backbone"),
+            method=meta["method"],
+            retention=meta["retention"],
+            frames=meta["frames"],
+            path=cell_dir,
+        )
         for task, values in results["results"].items():
             scores = task_scores(task, values)
             run.scores.update(scores)

@@ -32,8 +32,21 @@ from .trainer import AllocatorTrainer, TrainConfig
 
 SECTIONS = ("output_dir", "data", "backbone", "rollout", "allocator", "capo", "train")
 BACKBONE_KEYS = ("family", "pretrained", "device", "dtype", "attn_implementation")
-ROLLOUT_KEYS = ("max_num_frames", "max_new_tokens", "temperature", "check_format", "min_pixels", "max_pixels", "min_tokens_per_pair", "max_tokens_per_pair",
-                "answer", "choices", "retention", "s_min", "s_max")  # fmt: skip
+ROLLOUT_KEYS = (
+    "max_num_frames",
+    "max_new_tokens",
+    "temperature",
+    "check_format",
+    "min_pixels",
+    "max_pixels",
+    "min_tokens_per_pair",
+    "max_tokens_per_pair",
+    "answer",
+    "choices",
+    "retention",
+    "s_min",
+    "s_max",
+)
 
 
 def _check_keys(path: Path, section: str, given: dict, allowed) -> None:
@@ -68,12 +81,21 @@ def build_trainer(config_path: str | Path, steps: int | None = None) -> Allocato
     pretrained = backbone_cfg["pretrained"]
     pretrained = resolve(pretrained) if Path(path.parent / pretrained).exists() else pretrained
     device = backbone_cfg.get("device", "cpu")
-    adapter = ADAPTERS[family].from_pretrained(pretrained, device=device, dtype=backbone_cfg.get("dtype", "auto"), attn_implementation=backbone_cfg.get("attn_implementation"))
+    adapter = ADAPTERS[family].from_pretrained(
+        pretrained,
+        device=device,
+        dtype=backbone_cfg.get("dtype", "auto"),
+        attn_implementation=backbone_cfg.get("attn_implementation"),
+    )
 
     rollout = dict(raw.get("rollout") or {})
     _check_keys(path, "rollout", rollout, ROLLOUT_KEYS)
-    budget = BudgetSpec(s_min=rollout.get("s_min", 0.2), s_max=rollout.get("s_max", 1.8),
-                        min_tokens_per_pair=rollout.get("min_tokens_per_pair", 1), max_tokens_per_pair=rollout.get("max_tokens_per_pair"))  # fmt: skip
+    budget = BudgetSpec(
+        s_min=rollout.get("s_min", 0.2),
+        s_max=rollout.get("s_max", 1.8),
+        min_tokens_per_pair=rollout.get("min_tokens_per_pair", 1),
+        max_tokens_per_pair=rollout.get("max_tokens_per_pair"),
+    )
     engine = HFRolloutEngine(
         adapter,
         max_num_frames=rollout.get("max_num_frames", 8),

@@ -47,8 +47,20 @@ def load_samples(path: str | Path) -> list[TrainSample]:
         video = Path(row["video"])
         video = video if video.is_absolute() else path.parent / video
         segments = row.get("segments")
-        segments = [] if segments is None or (isinstance(segments, float) and pd.isna(segments)) else [tuple(map(float, s)) for s in segments]
-        samples.append(TrainSample(video=str(video), question=str(row["question"]), answer=str(row["answer"]), task_type=row["task_type"], segments=segments))
+        segments = (
+            []
+            if segments is None or (isinstance(segments, float) and pd.isna(segments))
+            else [tuple(map(float, s)) for s in segments]
+        )
+        samples.append(
+            TrainSample(
+                video=str(video),
+                question=str(row["question"]),
+                answer=str(row["answer"]),
+                task_type=row["task_type"],
+                segments=segments,
+            )
+        )
     if not samples:
         raise ValueError(f"{path}: no training samples")
     return samples

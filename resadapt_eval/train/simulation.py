@@ -30,15 +30,33 @@ VARIANTS = {
 N_CAPO = {"N-CAPO + L_sim": (CAPOConfig(lambda_sim=0.1), {"policy": "logit_normal"})}
 
 
-def run_ablation(steps: int = 400, seed: int = 0, num_videos: int = 64, variants: dict = VARIANTS, progress: bool = False) -> dict[str, list[dict]]:
+def run_ablation(
+    steps: int = 400, seed: int = 0, num_videos: int = 64, variants: dict = VARIANTS, progress: bool = False
+) -> dict[str, list[dict]]:
     """Train every variant for `steps` steps; returns each variant's per-step metrics."""
     samples = make_sim_samples(num_videos, seed=seed)
     histories = {}
     for name, (capo, allocator_overrides) in variants.items():
         torch.manual_seed(seed)
-        allocator = Allocator(AllocatorConfig(**{**dict(encoder="tiny", width=64, num_heads=4, num_layers=1, head_init_std=0.02, seed=seed), **allocator_overrides}))
+        allocator = Allocator(
+            AllocatorConfig(
+                **{
+                    **dict(encoder="tiny", width=64, num_heads=4, num_layers=1, head_init_std=0.02, seed=seed),
+                    **allocator_overrides,
+                }
+            )
+        )
         with tempfile.TemporaryDirectory() as out:
-            config = TrainConfig(output_dir=out, steps=steps, batch_size=8, num_allocations=8, rollouts_per_allocation=1, lr=3e-3, save_every=steps, seed=seed)
+            config = TrainConfig(
+                output_dir=out,
+                steps=steps,
+                batch_size=8,
+                num_allocations=8,
+                rollouts_per_allocation=1,
+                lr=3e-3,
+                save_every=steps,
+                seed=seed,
+            )
             trainer = AllocatorTrainer(allocator, SimulatedBackbone(seed=seed), samples, config, replace(capo))
             histories[name] = trainer.train(progress=progress)
     return histories

@@ -67,7 +67,9 @@ def latest_checkpoint(output_dir: str | Path) -> Path | None:
 
 
 class AllocatorTrainer:
-    def __init__(self, allocator: Allocator, engine, samples: list, config: TrainConfig, capo: CAPOConfig, backbone=None):
+    def __init__(
+        self, allocator: Allocator, engine, samples: list, config: TrainConfig, capo: CAPOConfig, backbone=None
+    ):
         from accelerate import Accelerator
 
         self.config, self.capo, self.engine, self.samples = config, capo, engine, samples
@@ -82,7 +84,9 @@ class AllocatorTrainer:
             if backbone is None:
                 raise ValueError("train_backbone needs a real backbone (the HF rollout engine)")
             backbone.model.train()
-            self.backbone_optimizer = torch.optim.AdamW(backbone.model.parameters(), lr=config.backbone_lr, weight_decay=config.weight_decay)
+            self.backbone_optimizer = torch.optim.AdamW(
+                backbone.model.parameters(), lr=config.backbone_lr, weight_decay=config.weight_decay
+            )
         self.step = 0
         self.output_dir = Path(config.output_dir)
 
@@ -92,7 +96,9 @@ class AllocatorTrainer:
         a seeded shuffle for pass k // n over the n samples (so a resumed run sees the same order)."""
         n = len(self.samples)
         positions = range(step * self.config.batch_size, (step + 1) * self.config.batch_size)
-        batch = [self.samples[np.random.default_rng(self.config.seed + k // n).permutation(n)[k % n]] for k in positions]
+        batch = [
+            self.samples[np.random.default_rng(self.config.seed + k // n).permutation(n)[k % n]] for k in positions
+        ]
         return batch[self.accelerator.process_index :: self.accelerator.num_processes]
 
     # ------------------------------------------------------------------ one step
@@ -108,10 +114,17 @@ class AllocatorTrainer:
                 a = dist.sample((cfg.num_allocations,))[:, 0].clamp(LATENT_EPS, 1 - LATENT_EPS)  # (M, T)
                 logp_old = dist.log_prob(a)
             scales = self.allocator.to_scale(a)
-            rollouts = self.engine.rollouts(prompt, scales.double().cpu().numpy(), cfg.rollouts_per_allocation, keep_backbone_inputs=cfg.train_backbone)
+            rollouts = self.engine.rollouts(
+                prompt,
+                scales.double().cpu().numpy(),
+                cfg.rollouts_per_allocation,
+                keep_backbone_inputs=cfg.train_backbone,
+            )
             cost = proxy_cost(scales, s_min, s_max)
             advantage = rollout_advantage(rollouts.task_reward.float(), cost, rollouts.correct.float(), capo)
-            collected.append(dict(feats=feats, a=a, logp_old=logp_old, scales=scales, advantage=advantage, rollouts=rollouts))
+            collected.append(
+                dict(feats=feats, a=a, logp_old=logp_old, scales=scales, advantage=advantage, rollouts=rollouts)
+            )
 
         for _ in range(cfg.ppo_epochs):
             losses = {"policy": 0.0, "sim": 0.0, "con": 0.0}
@@ -121,11 +134,22 @@ class AllocatorTrainer:
                 dist = self.allocator.make_distribution(p1, p2)
                 logp_new = dist.log_prob(item["a"])
                 mask = torch.ones_like(logp_new, dtype=torch.bool)
-                policy = allocator_ppo_loss(logp_new, item["logp_old"], allocation_advantage(item["advantage"]), mask, capo.clip_low, capo.clip_high)
+                policy = allocator_ppo_loss(
+                    logp_new,
+                    item["logp_old"],
+                    allocation_advantage(item["advantage"]),
+                    mask,
+                    capo.clip_low,
+                    capo.clip_high,
+                )
                 mean_scales = self.allocator.to_scale(self.allocator.latent_actions(p1, p2))[0]
                 sim = similarity_loss(item["feats"]["frame_features"][0], mean_scales, capo)
                 # L_con caps the Beta's concentration alpha + beta; the logit-normal has none.
-                con = concentration_loss(p1, p2, capo.kappa_max) if self.allocator.config.policy == "beta" else torch.zeros(())
+                con = (
+                    concentration_loss(p1, p2, capo.kappa_max)
+                    if self.allocator.config.policy == "beta"
+                    else torch.zeros(())
+                )
                 total = total + (policy + capo.lambda_sim * sim + capo.lambda_con * con) / len(collected)
                 for name, value in (("policy", policy), ("sim", sim), ("con", con)):
                     losses[name] += value.item() / len(collected)
@@ -163,7 +187,15 @@ class AllocatorTrainer:
             return torch.stack([torch.nn.functional.pad(x, (0, length - len(x))) for x in xs])
 
         mask = pad([torch.ones_like(x) for x in new]).bool()
-        loss = backbone_ppo_loss(pad(new), pad(old), torch.stack([r[2] for r in rows]), mask, capo.clip_low, capo.clip_high, torch.stack([r[3] for r in rows]))
+        loss = backbone_ppo_loss(
+            pad(new),
+            pad(old),
+            torch.stack([r[2] for r in rows]),
+            mask,
+            capo.clip_low,
+            capo.clip_high,
+            torch.stack([r[3] for r in rows]),
+        )
         self.backbone_optimizer.zero_grad()
         loss.backward()
         torch.nn.utils.clip_grad_norm_(self.backbone.model.parameters(), self.config.grad_clip)
@@ -172,7 +204,10 @@ class AllocatorTrainer:
 
     def metrics(self, collected: list, losses: dict) -> dict:
         with torch.no_grad():
-            policy_means = [self.allocator.to_scale(self.allocator.latent_actions(*self.model(**c["feats"])))[0].cpu().numpy() for c in collected]
+            policy_means = [
+                self.allocator.to_scale(self.allocator.latent_actions(*self.model(**c["feats"])))[0].cpu().numpy()
+                for c in collected
+            ]
         sampled = torch.cat([c["scales"] for c in collected]).cpu().numpy()
         return dict(
             step=self.step,
@@ -193,7 +228,14 @@ class AllocatorTrainer:
             if folder.exists():
                 shutil.rmtree(folder)
             self.accelerator.unwrap_model(self.model).save_pretrained(folder / "allocator")
-            state = dict(step=self.step, optimizer=self.optimizer.state_dict(), torch_rng=torch.get_rng_state(), numpy_rng=np.random.get_state(), python_rng=random.getstate(), config=asdict(self.config))
+            state = dict(
+                step=self.step,
+                optimizer=self.optimizer.state_dict(),
+                torch_rng=torch.get_rng_state(),
+                numpy_rng=np.random.get_state(),
+                python_rng=random.getstate(),
+                config=asdict(self.config),
+            )
             if self.config.train_backbone:
                 self.backbone.model.save_pretrained(folder / "backbone")
                 self.backbone.processor.save_pretrained(folder / "backbone")
@@ -209,7 +251,9 @@ class AllocatorTrainer:
         self.accelerator.unwrap_model(self.model).load_state_dict(loaded.state_dict())
         self.optimizer.load_state_dict(state["optimizer"])
         if self.config.train_backbone:
-            self.backbone.model.load_state_dict(type(self.backbone.model).from_pretrained(folder / "backbone").state_dict())
+            self.backbone.model.load_state_dict(
+                type(self.backbone.model).from_pretrained(folder / "backbone").state_dict()
+            )
             self.backbone_optimizer.load_state_dict(state["backbone_optimizer"])
         torch.set_rng_state(state["torch_rng"])
         np.random.set_state(state["numpy_rng"])
@@ -220,12 +264,20 @@ class AllocatorTrainer:
         """Run to `config.steps`; with `resume`, continue from the latest complete checkpoint."""
         checkpoint = latest_checkpoint(self.output_dir)
         if checkpoint and not resume:
-            raise FileExistsError(f"{self.output_dir} already holds checkpoints (latest {checkpoint}); pass --resume or choose another output_dir")
+            raise FileExistsError(
+                f"{self.output_dir} already holds checkpoints (latest {checkpoint}); "
+                "pass --resume or choose another output_dir"
+            )
         if resume and checkpoint:
             self.resume(checkpoint)
         self.output_dir.mkdir(parents=True, exist_ok=True)
         history = []
-        bar = tqdm(total=self.config.steps, initial=self.step, disable=not (progress and self.accelerator.is_main_process), desc="allocator")
+        bar = tqdm(
+            total=self.config.steps,
+            initial=self.step,
+            disable=not (progress and self.accelerator.is_main_process),
+            desc="allocator",
+        )
         with open(self.output_dir / "metrics.jsonl", "a", encoding="utf-8") as log:
             while self.step < self.config.steps:
                 metrics = self.train_step()
@@ -234,7 +286,11 @@ class AllocatorTrainer:
                     log.write(json.dumps(metrics) + "\n")
                     log.flush()
                 bar.update(1)
-                bar.set_postfix(scale=f"{metrics['mean_scale']:.2f}", acc=f"{metrics['accuracy']:.2f}", R=f"{metrics['achieved_retention']:.2f}")
+                bar.set_postfix(
+                    scale=f"{metrics['mean_scale']:.2f}",
+                    acc=f"{metrics['accuracy']:.2f}",
+                    R=f"{metrics['achieved_retention']:.2f}",
+                )
                 if self.step % self.config.save_every == 0 or self.step == self.config.steps:
                     self.save()
         bar.close()
