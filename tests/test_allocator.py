@@ -243,7 +243,8 @@ def test_minilm_effnet_encoders_load_offline_and_embed():
 def test_logit_normal_policy_for_the_n_capo_ablation(tmp_path):
     # Hand values: median sigmoid(mu); the 0.8413 quantile is sigmoid(mu + sigma) (Phi(1) = 0.8413).
     mu, sigma = torch.tensor([0.0, 1.0]), torch.tensor([0.5, 2.0])
-    assert torch.allclose(logit_normal_actions(mu, sigma, "mean"), torch.sigmoid(mu))
+    assert torch.allclose(logit_normal_actions(mu, sigma, "median"), torch.sigmoid(mu))
+    assert torch.allclose(logit_normal_actions(mu, sigma, "quantile", quantile=0.5), torch.sigmoid(mu))
     q = logit_normal_actions(mu, sigma, "quantile", quantile=0.841344746)
     assert torch.allclose(q, torch.sigmoid(mu + sigma), atol=1e-5)
     # log q(a) = log N(logit a; mu, sigma) - log(a (1 - a)), summed over frames.
@@ -259,13 +260,54 @@ def test_logit_normal_policy_for_the_n_capo_ablation(tmp_path):
     assert Allocator.log_prob(dist, a, torch.ones(1, 4, dtype=torch.bool)).item() == pytest.approx(
         by_hand.item(), rel=1e-5
     )
-    # Initialised at scale 1.0 (median), sigma = init_sigma; saves and loads like the Beta head.
+    # Initialised at mean scale 1.0, sigma = init_sigma; saves and loads like the Beta head.
     assert torch.allclose(scales_of(allocator, frames(4), "q"), torch.ones(4), atol=1e-5)
     assert torch.allclose(sigma0, torch.full_like(sigma0, 0.5), atol=1e-5)
     allocator.save_pretrained(tmp_path / "n")
     assert torch.equal(
         scales_of(Allocator.from_pretrained(tmp_path / "n"), frames(4), "q"), scales_of(allocator, frames(4), "q")
     )
+
+
+def test_logit_normal_mean_is_the_mean_not_the_median():
+    from scipy.integrate import quad
+    from scipy.special import expit
+
+    from resadapt_eval.allocator.model import logit_normal_mu_for_mean
+
+    # Reference: scipy's adaptive quadrature of sigmoid(mu + sigma z) against the N(0, 1) density,
+    # independent of the trapezoidal rule `logit_normal_mean` uses.
+    def by_quad(m, s):
+        density = lambda z: expit(m + s * z) * math.exp(-0.5 * z * z) / math.sqrt(2 * math.pi)  # noqa: E731
+        return quad(density, -12, 12, points=[-m / s], epsabs=1e-13, epsrel=1e-12, limit=500)[0]
+
+    cases = [(0.0, 0.5), (1.0, 2.0), (-2.0, 0.3), (2.5, 1.5), (-1.0, 5.0), (3.0, 10.0), (0.5, 40.0), (-6.0, 0.05)]
+    mu = torch.tensor([m for m, _ in cases], dtype=torch.float64)
+    sigma = torch.tensor([s for _, s in cases], dtype=torch.float64)
+    mean = logit_normal_actions(mu, sigma, "mean")
+    for got, (m, s) in zip(mean.tolist(), cases):
+        assert got == pytest.approx(by_quad(m, s), abs=1e-6)
+    # A second, independent check: 1e6 samples; the Monte Carlo standard error is below 5e-4 here.
+    z = torch.randn(1_000_000, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    mc = torch.sigmoid(mu[:, None] + sigma[:, None] * z).mean(1)
+    assert torch.allclose(mean, mc, atol=2e-3)
+    # Skewed (mu != 0): the mean is pulled towards 1/2 and is not the median sigmoid(mu).
+    median = logit_normal_actions(mu, sigma, "median")
+    assert mean[1].item() == pytest.approx(0.6477, abs=1e-4) and median[1].item() == pytest.approx(0.7311, abs=1e-4)
+    assert (median[1:-1] - mean[1:-1]).abs().min() > 0.003  # the last case has sigma 0.05: nearly equal
+    assert mean[0].item() == pytest.approx(0.5, abs=1e-12)  # symmetric: mean = median
+    # Differentiable (the trainer's L_sim uses the policy mean) and float32 in, float32 out.
+    mu32 = torch.tensor([1.0, -0.5], requires_grad=True)
+    logit_normal_actions(mu32, torch.tensor([2.0, 0.7]), "mean").sum().backward()
+    assert mu32.grad is not None and (mu32.grad > 0).all()
+    # The head's initial mu makes the mean (not the median) land on scale 1.0 for an asymmetric range.
+    config = tiny_config(policy="logit_normal", head_init_std=0.0, s_min=0.2, s_max=1.4)
+    allocator = Allocator(config)
+    scales = scales_of(allocator, frames(4), "q")
+    assert torch.allclose(scales, torch.ones(4), atol=1e-5)
+    assert not torch.allclose(scales_of(allocator, frames(4), "q", mode="median"), torch.ones(4), atol=1e-3)
+    mu0 = logit_normal_mu_for_mean(config.initial_mean, config.init_sigma)
+    assert by_quad(mu0, config.init_sigma) == pytest.approx(config.initial_mean, abs=1e-9)
 
 
 def test_frame_norm_layer_normalises_the_frozen_features_before_the_projection():

@@ -2,9 +2,18 @@
 
 from .encoders import ENCODERS, FrozenEncoders, build_encoders
 from .inference import BUILTIN, AllocatorPolicy, load_allocator
-from .model import INFERENCE_MODES, Allocator, AllocatorConfig, CheckpointError, beta_actions, logit_normal_actions
+from .model import (
+    INFERENCE_MODES,
+    Allocator,
+    AllocatorConfig,
+    CheckpointError,
+    beta_actions,
+    logit_normal_actions,
+    logit_normal_mean,
+)
 
 __all__ = [
     "Allocator", "AllocatorConfig", "AllocatorPolicy", "BUILTIN", "CheckpointError", "ENCODERS",
     "FrozenEncoders", "INFERENCE_MODES", "beta_actions", "build_encoders", "load_allocator", "logit_normal_actions",
+    "logit_normal_mean",
 ]  # fmt: skip
