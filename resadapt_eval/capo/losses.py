@@ -16,7 +16,7 @@ ADVANTAGES = ("capo", "direct_cost", "accuracy_only")
 
 @dataclass
 class CAPOConfig:
-    """CAPO hyper-parameters (defaults from the reference code, see DESIGN.md).
+    """CAPO hyper-parameters (defaults from the paper's public reference code).
 
     eta_sim is not given in the paper; 0 means adjacent similar frames are penalised once
     s_t * s_{t+1} > 1.

@@ -31,7 +31,7 @@ PAIRS = FRAMES // 2
 
 
 def build_needle_backbone(seed: int = 0):
-    """Qwen2.5-VL architecture, ~1.2M parameters: text hidden 128 (4 heads of 32), 3 layers; vision
+    """Qwen2.5-VL architecture, 1.0M parameters: text hidden 128 (4 heads of 32), 3 layers; vision
     hidden 96, depth 2, windowed attention only (no full-attention block, like the local
     attention of real towers). Returns (model, processor)."""
     from transformers import (
