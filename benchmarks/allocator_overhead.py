@@ -16,12 +16,10 @@ from pathlib import Path
 import torch
 from timing import median_seconds
 
-from resadapt_eval.allocator import AllocatorPolicy, load_allocator
 from resadapt_eval.backbones.qwen import ADAPTERS
-from resadapt_eval.budget.plan import base_size, plan_from_scales
 from resadapt_eval.budget.policies import BudgetSpec
 from resadapt_eval.fixtures import ensure_fixtures
-from resadapt_eval.video import decode_video
+from resadapt_eval.pipeline import Request, VideoPipeline, VideoPipelineConfig
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -37,7 +35,6 @@ def main() -> None:
 
     fixtures = ensure_fixtures(REPO / "fixtures")
     adapter = ADAPTERS[args.backbone].from_pretrained(str(fixtures / args.backbone), dtype="float32")
-    policy = AllocatorPolicy(load_allocator("builtin"))
     spec = BudgetSpec(retention=args.retention)
     video_path = fixtures / "smoke_videoqa" / "videos" / "smoke_000.mp4"
     query = "What colour is the moving square?"
@@ -46,7 +43,6 @@ def main() -> None:
         tokenize=False,
         add_generation_prompt=True,
     )
-    px = adapter.grid.token_px
 
     header = (
         f"{'T':>3} {'R':>6} {'alloc ms':>9} {'text':>6} {'visual':>7} {'predict':>8} {'apply':>6} "
@@ -59,21 +55,23 @@ def main() -> None:
     )
     print(header)
     for T in args.frames:
-        video = decode_video(video_path, T)
-        base = base_size(*video.frames.shape[1:3], adapter.grid, 4 * px * px, 768 * px * px)
+        request = Request(prompt, video=str(video_path), query=query)
+        config = dict(max_num_frames=T)
+        resadapt = VideoPipeline(adapter, VideoPipelineConfig(method="resadapt", allocator="builtin", budget=spec, **config))
+        vanilla = VideoPipeline(adapter, VideoPipelineConfig(method="vanilla", **config))
+        decoded = resadapt.decode(request)
         stage = {}
 
-        def allocate():
-            context = {"video": video, "query": query, "timings": {}}
-            scales = policy(len(video.indices), base, adapter.grid, spec, context)
-            plan = plan_from_scales(scales, base, adapter.grid)
-            inputs = adapter.build_inputs(prompt, video, plan, timings=context["timings"])
-            stage.update(context["timings"], plan=plan, inputs=inputs)
+        def allocate():  # the pipeline's stages after decoding: Allocator, plan (projection), resize + inputs
+            (scores,) = resadapt.score([request], {0: decoded}, {}).values()
+            planned = resadapt.plan(decoded, scores)
+            built = resadapt.build(request, decoded, planned)
+            stage.update(allocator_text_s=scores.text_s, allocator_visual_s=scores.visual_s, scale_apply_s=built.resize_s,
+                         allocator_predict_s=scores.predict_s + planned.projection_s, plan=planned.plans[0], inputs=built.request)  # fmt: skip
 
         alloc_s = median_seconds(allocate, args.repeats)
-        vanilla_inputs = adapter.build_inputs(
-            prompt, video, plan_from_scales([1.0] * len(video.indices), base, adapter.grid)
-        )
+        (vanilla_scores,) = vanilla.score([request], {0: decoded}, {}).values()
+        vanilla_inputs = vanilla.build(request, decoded, vanilla.plan(decoded, vanilla_scores)).request
 
         def prefill(inputs):
             def run():

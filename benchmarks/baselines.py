@@ -17,7 +17,7 @@ import torch
 from timing import median_seconds
 
 from resadapt_eval.backbones.qwen import ADAPTERS
-from resadapt_eval.baselines import COMPRESSORS, NEEDS_ATTENTION
+from resadapt_eval.methods import AFTER_MERGER, METHODS
 from resadapt_eval.budget.plan import base_size, plan_from_scales
 from resadapt_eval.budget.policies import BudgetSpec, fixed_scale
 from resadapt_eval.fixtures import ensure_fixtures
@@ -74,15 +74,15 @@ def main() -> None:
                     prompt,
                     video,
                     vanilla_plan,
-                    COMPRESSORS[method],
+                    METHODS[method].compress,
                     args.retention,
-                    needs_attention=method in NEEDS_ATTENTION,
+                    needs_attention=METHODS[method].needs_attention,
                 )[0]
 
             builders = {
                 "vanilla": plain(vanilla_plan),
                 "fixed_scale": plain(fixed_plan),
-                **{m: compressed(m) for m in COMPRESSORS},
+                **{name: compressed(name) for name, method in METHODS.items() if method.stage == AFTER_MERGER},
             }
             rows = {}
             for method, build in builders.items():

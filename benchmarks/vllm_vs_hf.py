@@ -21,7 +21,7 @@ from timing import median_seconds
 from resadapt_eval.backbones.qwen import ADAPTERS
 from resadapt_eval.budget.policies import BudgetSpec
 from resadapt_eval.fixtures import ensure_fixtures
-from resadapt_eval.pipeline import SampleRecord, VideoPipeline, VideoPipelineConfig
+from resadapt_eval.pipeline import Request, VideoPipeline, VideoPipelineConfig
 
 REPO = Path(__file__).resolve().parents[1]
 KV_CACHE_BYTES = 256 << 20
@@ -68,27 +68,16 @@ def main() -> None:
             hf, vllm = VideoPipeline(adapter, config), VideoPipeline(engine, config)
 
             def job(video):
-                return (
-                    video,
-                    prompt,
-                    "What colour is the square?",
-                    SampleRecord(doc_id=None, task=None, method=method),
-                )
+                return Request(prompt, video=video, query="What colour is the square?", gen_kwargs=gen)
 
             def check(results):
                 for _, record in results:
                     if record.error:
                         raise RuntimeError(record.error)
 
-            hf_s = median_seconds(lambda: [hf.run(v, prompt, gen_kwargs=gen) for v in videos], args.repeats) / len(
-                videos
-            )
-            one_s = median_seconds(
-                lambda: [check(vllm.run_batch([job(v)], [gen])) for v in videos], args.repeats
-            ) / len(videos)
-            batch_s = median_seconds(
-                lambda: check(vllm.run_batch([job(v) for v in videos], [gen] * len(videos))), args.repeats
-            ) / len(videos)
+            hf_s = median_seconds(lambda: [check(hf.run_batch([job(v)])) for v in videos], args.repeats) / len(videos)
+            one_s = median_seconds(lambda: [check(vllm.run_batch([job(v)])) for v in videos], args.repeats) / len(videos)
+            batch_s = median_seconds(lambda: check(vllm.run_batch([job(v) for v in videos])), args.repeats) / len(videos)
             print(
                 f"{family:<9} {method:<12} {hf_s:>9.3f} {one_s:>10.3f} {one_s / hf_s:>8.2f} "
                 f"{batch_s:>18.3f} {batch_s / hf_s:>10.2f}"

@@ -7,9 +7,10 @@ import sys
 from pathlib import Path
 
 from .fixtures import write_fixtures
+from .methods import METHODS
 from .needle.data import EVIDENCE_PAIRS
 
-ALL_METHODS = "vanilla,fixed_scale,random_drop,tome,visionzip,flashvid,resadapt"
+ALL_METHODS = ",".join(METHODS)
 
 
 def cmd_fixtures(args) -> int:

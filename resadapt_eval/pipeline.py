@@ -1,77 +1,35 @@
-"""One request end to end: decode once -> policy scales -> resize plan -> backbone -> answer + record.
+"""One request flow for every front end: decode -> scales -> plan -> model inputs -> generation.
 
-This is the code path every method and every front end (lmms-eval, benchmarks, demo) shares.
+Each stage returns a small frozen result; the sidecar record is built once from them at the end.
+The HF classes send batches of one, the vLLM classes chunks, images and videos take the same
+stages, and the rollout engine plans with the same `Planner`. A sample that fails at any stage is
+answered with an empty text and a record holding the exception's type and message, and the batch
+goes on; with `strict=True` the original exception is raised instead. What a method does comes
+from the method registry (`methods.py`), never from its name.
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
+from typing import Callable
 
 import numpy as np
 
-from .backbones.qwen import QwenVideoAdapter
-from .budget.plan import ResizePlan, base_size, plan_from_scales, project_to_retention
-from .budget.policies import POLICIES, BudgetSpec
-from .budget.selection import OPERATORS, select_frames
+from .backbones.layout import Backbone
+from .budget.plan import ResizePlan
+from .budget.planner import Planner
+from .budget.policies import BudgetSpec
+from .budget.selection import OPERATORS
+from .methods import METHODS, NO_RETENTION, REQUIRED_RETENTION, get_method
+from .record import SampleRecord, error_text
 from .video import DecodedVideo, decode_video
-
-COMPRESSION_METHODS = ("random_drop", "tome", "visionzip", "flashvid")  # vanilla plan, then compress tokens
-METHODS = (*POLICIES, "resadapt", *COMPRESSION_METHODS)
-
-
-@dataclass
-class SampleRecord:
-    """What one sample spent; one line of the sidecar JSONL.
-
-    scales: per-frame scale s_t; grids: (t, h, w) merged-token grid per pair; visual_tokens: tokens
-    that entered the LLM; reference_tokens: the vanilla plan's tokens for the same frames;
-    achieved_retention = visual_tokens / reference_tokens; raw_scales: an Allocator's scales before
-    projection to the target R; merged_sizes: for token compressors, how many original tokens each
-    kept token stands for (sums to the vanilla count for merging methods). Frame selection:
-    candidates (frames scored), frame_indices (the kept ones), reference_tokens (the candidates'
-    vanilla tokens, so R is against vanilla at the candidate count, as the paper reports it);
-    frame_budget: visual tokens in full-resolution-frame equivalents (every method). Seconds: decode_s (video decode), allocator_{text,visual,predict}_s
-    (Allocator stages; predict includes the projection), scale_apply_s (resizing frames to the plan),
-    preprocess_s (planning and building the model inputs, resize included), generate_s.
-    """
-
-    doc_id: int | None
-    task: str | None
-    method: str
-    video: str | None = None
-    num_frames: int = 0
-    frame_indices: list[int] = field(default_factory=list)
-    base_size: list[int] | None = None
-    scales: list[float] = field(default_factory=list)
-    pair_sizes: list[list[int]] = field(default_factory=list)
-    grids: list[list[int]] = field(default_factory=list)
-    visual_tokens: int = 0
-    reference_tokens: int = 0
-    achieved_retention: float | None = None
-    target_retention: float | None = None
-    raw_scales: list[float] | None = None
-    merged_sizes: list[int] | None = None
-    candidates: int | None = None
-    frame_budget: float | None = None
-    input_tokens: int = 0
-    output_tokens: int = 0
-    decode_s: float = 0.0
-    allocator_text_s: float = 0.0
-    allocator_visual_s: float = 0.0
-    allocator_predict_s: float = 0.0
-    scale_apply_s: float = 0.0
-    preprocess_s: float = 0.0
-    generate_s: float = 0.0
-    error: str | None = None
-
-    def to_dict(self) -> dict:
-        return asdict(self)
 
 
 @dataclass
 class VideoPipelineConfig:
-    """Per-run settings. min_pixels/max_pixels bound one frame's base (vanilla) area in pixels."""
+    """Per-run settings. min_pixels/max_pixels bound one frame's base (vanilla) area in pixels;
+    strict: raise a failed sample's exception instead of recording it."""
 
     method: str = "vanilla"
     max_num_frames: int = 32
@@ -87,230 +45,294 @@ class VideoPipelineConfig:
     candidates: int = 128
     top_k: int | None = 32
     score_threshold: float | None = None
+    strict: bool = False
 
     def __post_init__(self):
+        method = get_method(self.method)
         if self.operator not in OPERATORS:
             raise ValueError(f"operator must be one of {OPERATORS}, got {self.operator!r}")
-        if self.operator != "resize" and self.method != "resadapt":
+        if self.operator != "resize" and not method.needs_allocator:
             raise ValueError(f"operator={self.operator} ranks frames by the Allocator's scales: it needs method=resadapt")
-        if self.method not in METHODS:
-            raise ValueError(f"unknown method {self.method!r}; available: {', '.join(METHODS)}")
-        if self.allocator is not None and self.method != "resadapt":
+        if self.allocator is not None and not method.needs_allocator:
             raise ValueError(f"allocator= is only used by method=resadapt, not {self.method!r}")
-        if self.method in COMPRESSION_METHODS and self.budget.retention is None:
+        if method.retention == REQUIRED_RETENTION and self.budget.retention is None:
             raise ValueError(f"method={self.method} needs a target retention (model_args retention=...)")
+        if method.retention == NO_RETENTION and self.budget.retention is not None:
+            raise ValueError(f"method={self.method} has no retention target; drop retention={self.budget.retention}")
         if self.max_num_frames < 1:
             raise ValueError(f"max_num_frames must be at least 1, got {self.max_num_frames}")
 
 
-class VideoPipeline:
-    """Answers (video, prompt) requests with an adapter under one budget method."""
+@dataclass(frozen=True)
+class Request:
+    """One sample: chat text holding one `<|video_pad|>` (a video file) or one `<|image_pad|>` per
+    image (PIL or uint8 (H, W, 3)); query: the user's text, for the Allocator; gen_kwargs: the
+    backbone's `generate` arguments."""
 
-    def __init__(self, adapter: QwenVideoAdapter, config: VideoPipelineConfig):
-        self.adapter = adapter
-        self.config = config
-        if config.method == "resadapt":
+    prompt: str
+    video: str | None = None
+    images: tuple = ()
+    query: str = ""
+    gen_kwargs: dict = field(default_factory=dict)
+    doc_id: int | None = None
+    task: str | None = None
+
+
+@dataclass(frozen=True)
+class Decoded:
+    """items: the decoded video, or each image as a one-frame video; seconds: decode time."""
+
+    items: tuple[DecodedVideo, ...]
+    images: bool
+    seconds: float
+
+
+@dataclass(frozen=True)
+class Scores:
+    """The Allocator's raw scales per item (None for methods without it) and its stage seconds."""
+
+    raw: tuple[np.ndarray, ...] | None = None
+    text_s: float = 0.0
+    visual_s: float = 0.0
+    predict_s: float = 0.0
+
+
+@dataclass(frozen=True)
+class Planned:
+    """The kept frames and their plans; reference_tokens: vanilla tokens R is measured against
+    (all candidates' under frame selection); seconds: planning time, projection_s of it projecting."""
+
+    items: tuple[DecodedVideo, ...]
+    plans: tuple[ResizePlan, ...]
+    reference_tokens: int
+    candidates: int | None
+    projection_s: float
+    seconds: float
+
+
+@dataclass(frozen=True)
+class Built:
+    """The engine's request; visual_tokens: placeholders it must hold; merged_sizes: group sizes
+    of a token compressor; seconds: building time, resize_s of it resizing frames."""
+
+    request: object
+    visual_tokens: int
+    merged_sizes: tuple[int, ...] | None
+    resize_s: float
+    seconds: float
+
+
+@dataclass(frozen=True)
+class Generated:
+    text: str
+    prompt_ids: tuple[int, ...]
+    output_tokens: int
+    seconds: float
+
+
+class VideoPipeline:
+    """Answers requests with a `Backbone` under one budget method."""
+
+    def __init__(self, backbone: Backbone, config: VideoPipelineConfig):
+        self.backbone, self.config, self.method = backbone, config, get_method(config.method)
+        if self.method.compress is not None and not backbone.compresses_tokens:
+            raise ValueError(f"method={config.method} compresses visual tokens inside the model, which {type(backbone).__name__} "
+                             "does not expose: run it on the HF path")  # fmt: skip
+        self.layout = backbone.layout
+        self.planner = Planner(self.layout.grid, config.budget, config.min_pixels, config.max_pixels)
+        self.allocator = None
+        if self.method.needs_allocator:
             from .allocator import AllocatorPolicy, load_allocator
 
-            allocator = load_allocator(config.allocator, device=adapter.device)
-            self.policy = AllocatorPolicy(allocator, config.allocator_inference, config.allocator_quantile, config.allocator_seed)
-        elif config.method in COMPRESSION_METHODS:
-            self.policy = POLICIES["vanilla"]  # compressors start from the vanilla plan
-        else:
-            self.policy = POLICIES[config.method]
-        px = adapter.grid.token_px
-        # Defaults: 4..768 tokens per frame at the base resolution (768 is qwen-vl-utils' video cap;
-        # its 128-token video floor is not applied, so small videos are not upscaled).
-        self.min_pixels = config.min_pixels if config.min_pixels is not None else 4 * px * px
-        self.max_pixels = config.max_pixels if config.max_pixels is not None else 768 * px * px
+            allocator = load_allocator(config.allocator, device=backbone.device)
+            self.allocator = AllocatorPolicy(allocator, config.allocator_inference, config.allocator_quantile, config.allocator_seed)
 
-    def base_hw(self, video: DecodedVideo) -> tuple[int, int]:
-        """Base (vanilla) size of the video's frames in pixels."""
-        return base_size(*video.frames.shape[1:3], self.adapter.grid, self.min_pixels, self.max_pixels)
+    def run(self, request: Request) -> tuple[str, SampleRecord]:
+        """Answer one request (a batch of one)."""
+        return self.run_batch([request])[0]
 
-    def select(self, video: DecodedVideo, query: str, context: dict) -> tuple[DecodedVideo, ResizePlan, int]:
-        """Frame selection: the Allocator scores every candidate frame, the best are kept in time
-        order (`select`: at the base size; `select_resize`: at their Allocator scales, projected
-        so the tokens stay within `retention` x the candidates' vanilla tokens). Returns the kept
-        frames, their plan, and the candidates' vanilla tokens (the reference for R)."""
-        cfg, grid = self.config, self.adapter.grid
-        if "raw_scales" not in context:
-            context["raw_scales"] = self.policy.raw_scales(video.frames, query, context.setdefault("timings", {}))
-        raw = context["raw_scales"]
-        positions = select_frames(raw, cfg.top_k, cfg.score_threshold)  # sorted, into the candidates
-        base = self.base_hw(video)
-        reference = plan_from_scales(np.ones(len(video.indices)), base, grid, **cfg.budget.plan_bounds).reference_tokens
-        if cfg.operator == "select":
-            scales = np.ones(len(positions))
-        elif cfg.budget.retention is None:
-            scales = np.clip(raw[positions], cfg.budget.s_min, cfg.budget.s_max)
-        else:
-            kept_reference = plan_from_scales(np.ones(len(positions)), base, grid, **cfg.budget.plan_bounds).reference_tokens
-            target = cfg.budget.retention * reference / kept_reference
-            scales = project_to_retention(raw[positions], target, base, grid, cfg.budget.s_min, cfg.budget.s_max, **cfg.budget.plan_bounds)
-        return video.subset(positions), plan_from_scales(scales, base, grid, **cfg.budget.plan_bounds), reference
+    def run_batch(self, requests: list[Request]) -> list[tuple[str, SampleRecord]]:
+        """Answer requests together: each stage runs over every sample still alive (the Allocator
+        once for all, the engine's generation once for all); per request (text, record)."""
+        failed: dict[int, Exception] = {}
+        decoded = self._each(range(len(requests)), lambda i: self.decode(requests[i]), failed)
+        scores = self.score(requests, decoded, failed)
+        planned = self._each(scores, lambda i: self.plan(decoded[i], scores[i]), failed)
+        built = self._each(planned, lambda i: self.build(requests[i], decoded[i], planned[i]), failed)
+        generated = self.generate(requests, built, failed)
+        answers = []
+        for i, request in enumerate(requests):
+            stages = (decoded.get(i), scores.get(i), planned.get(i), built.get(i), generated.get(i))
+            record = self.record(request, *stages, failed.get(i))
+            answers.append(("" if record.error else generated[i].text, record))
+        return answers
 
-    def plan(self, video: DecodedVideo, query: str = "", context: dict | None = None) -> ResizePlan:
-        """The resize plan this pipeline's method gives `video`. Policies may leave timings and
-        raw scales in `context`."""
-        base_hw = self.base_hw(video)
-        context = context if context is not None else {}
-        context.update(video=video, query=query)
-        scales = self.policy(len(video.indices), base_hw, self.adapter.grid, self.config.budget, context)
-        return plan_from_scales(scales, base_hw, self.adapter.grid, **self.config.budget.plan_bounds)
-
-    def prepare(self, video: DecodedVideo, query: str, record: SampleRecord, context: dict) -> tuple[DecodedVideo, ResizePlan]:
-        """Frames and resize plan for one decoded video under this pipeline's method; fills the
-        record's plan fields (frames, scales, sizes, grids, reference tokens). An Allocator's
-        scales already in `context["raw_scales"]` (batched by `run_batch`) are used as they are."""
-        if self.config.operator != "resize":
-            record.candidates = len(video.indices)
-            video, plan, reference = self.select(video, query, context)
-        else:
-            plan = self.plan(video, query, context)
-            reference = plan.reference_tokens
-        record.num_frames = len(video.indices)
-        record.frame_indices = video.indices
-        if "raw_scales" in context:
-            record.raw_scales = [round(float(s), 6) for s in context["raw_scales"]]
-        record.base_size = list(plan.base_hw)
-        record.scales = [round(s, 6) for s in plan.frame_scales]
-        record.pair_sizes = [list(hw) for hw in plan.pair_sizes]
-        record.grids = [list(g) for g in plan.grids]
-        record.reference_tokens = reference
-        return video, plan
-
-    def decode(self, video_path: str, record: SampleRecord) -> DecodedVideo:
-        """Decode the frames this method starts from (all candidates when selecting frames)."""
-        record.video = str(video_path)
-        record.target_retention = self.config.budget.retention
-        t0 = time.perf_counter()
-        video = decode_video(video_path, self.config.candidates if self.config.operator != "resize" else self.config.max_num_frames)
-        record.decode_s = time.perf_counter() - t0
-        return video
-
-    def stage_times(self, record: SampleRecord, context: dict, t0: float) -> None:
-        """Record the stage times left in `context` and the preprocessing seconds since `t0`
-        (planning and input building, the Allocator's own stages excluded)."""
-        for name, seconds in context["timings"].items():
-            setattr(record, name, seconds)
-        allocator_s = record.allocator_text_s + record.allocator_visual_s + record.allocator_predict_s
-        record.preprocess_s = time.perf_counter() - t0 - allocator_s
-
-    def count_tokens(self, input_ids: list[int], plan: ResizePlan, record: SampleRecord) -> None:
-        """Record what entered the LLM: the video placeholders among the prompt's `input_ids`,
-        and the retention they achieve against the record's reference tokens."""
-        record.visual_tokens = input_ids.count(self.adapter.processor.video_token_id)
-        record.achieved_retention = record.visual_tokens / record.reference_tokens
-        record.frame_budget = record.visual_tokens / (self.adapter.grid.tokens(*plan.base_hw) / self.adapter.grid.temporal_patch)
-        record.input_tokens = len(input_ids)
-
-    def run(self, video_path: str, prompt: str, query: str = "", gen_kwargs: dict | None = None, record: SampleRecord | None = None) -> tuple[str, SampleRecord]:
-        """Answer `prompt` (chat text with one video placeholder) about the video at `video_path`.
-
-        Errors propagate; `record` is filled as far as the request got.
-        """
-        record = record or SampleRecord(doc_id=None, task=None, method=self.config.method)
-        video = self.decode(video_path, record)
-        t0 = time.perf_counter()
-        context = {"timings": {}}
-        video, plan = self.prepare(video, query, record, context)
-        if self.config.method in COMPRESSION_METHODS:
-            from .baselines import COMPRESSORS, NEEDS_ATTENTION
-
-            inputs, sizes = self.adapter.build_compressed_inputs(
-                prompt, video, plan, COMPRESSORS[self.config.method], self.config.budget.retention,
-                seed=self.config.compression_seed, needs_attention=self.config.method in NEEDS_ATTENTION, timings=context["timings"],
-            )  # fmt: skip
-            record.merged_sizes = sizes.tolist()
-        else:
-            inputs = self.adapter.build_inputs(prompt, video, plan, timings=context["timings"])
-        self.stage_times(record, context, t0)
-        # Tokens that actually enter the LLM: the video placeholders of the built prompt.
-        self.count_tokens(inputs["input_ids"][0].tolist(), plan, record)
-        return self._generate(inputs, gen_kwargs, record)
-
-    def run_batch(self, jobs: list[tuple[str, str, str, SampleRecord]], gen_kwargs: list[dict]) -> list[tuple[str, SampleRecord]]:
-        """Answer a chunk of (video_path, prompt, query, record) jobs with a batch engine
-        (`VLLMBackbone`): decode every video, run the Allocator once over the chunk (its stage
-        times shared equally by the chunk's samples), build one request per sample, generate
-        them together. A job that fails is returned with an empty answer and `record.error`
-        set; the others go on. `generate_s` is the chunk's generation time shared equally."""
-        if self.config.method in COMPRESSION_METHODS:
-            raise ValueError(f"method={self.config.method} compresses tokens inside the model: it runs on the HF path only")
-        results: list[tuple[str, SampleRecord]] = [("", record) for _, _, _, record in jobs]
-        decoded = {}
-        for i, (path, _, _, record) in enumerate(jobs):
+    def _each(self, alive, stage: Callable, failed: dict) -> dict:
+        """`stage(i)` for every sample i in `alive` not yet failed; a failure is kept in `failed`
+        (or raised, with strict)."""
+        out = {}
+        for i in alive:
+            if i in failed:
+                continue
             try:
-                decoded[i] = self.decode(path, record)
+                out[i] = stage(i)
             except Exception as exc:
-                record.error = f"{type(exc).__name__}: {exc}"
-        contexts = {i: {"timings": {}} for i in decoded}
-        if self.config.method == "resadapt" and decoded:
-            order = list(decoded)
-            raw, timings = self.policy.raw_scales_batch([decoded[i].frames for i in order], [jobs[i][2] for i in order])
-            for i, scales in zip(order, raw):
-                contexts[i].update(raw_scales=scales, timings=dict(timings))
-        requests, built = [], []
-        for i, video in decoded.items():
-            _, prompt, query, record = jobs[i]
-            try:
-                t0 = time.perf_counter()
-                video, plan = self.prepare(video, query, record, contexts[i])
-                requests.append(self.adapter.build_request(prompt, video, plan, timings=contexts[i]["timings"]))
-                self.stage_times(record, contexts[i], t0)
-                built.append((i, plan))
-            except Exception as exc:
-                record.error = f"{type(exc).__name__}: {exc}"
-        if requests:
-            t0 = time.perf_counter()
-            outputs = self.adapter.generate_batch(requests, [gen_kwargs[i] for i, _ in built])
-            share = (time.perf_counter() - t0) / len(requests)
-            for (i, plan), (text, prompt_ids, n_out) in zip(built, outputs):
-                record = jobs[i][3]
-                # Tokens that actually entered the LLM: the engine's own prompt ids.
-                self.count_tokens(list(prompt_ids), plan, record)
-                record.generate_s, record.output_tokens = share, n_out
-                if record.visual_tokens != plan.visual_tokens:
-                    record.error = f"the engine's prompt holds {record.visual_tokens} video placeholders, the plan counts {plan.visual_tokens}"
-                    continue
-                results[i] = (text, record)
-        return results
+                if self.config.strict:
+                    raise
+                failed[i] = exc
+        return out
 
-    def _generate(self, inputs: dict, gen_kwargs: dict | None, record: SampleRecord) -> tuple[str, SampleRecord]:
+    # ------------------------------------------------------------------ stages
+    def decode(self, request: Request) -> Decoded:
+        """The frames this method starts from: `max_num_frames` of the video (all `candidates`
+        when selecting frames), or the request's images."""
         t0 = time.perf_counter()
-        text, n_out = self.adapter.generate(inputs, **(gen_kwargs or {}))
-        record.generate_s = time.perf_counter() - t0
-        record.output_tokens = n_out
-        return text, record
+        if request.video is not None:
+            selecting = self.config.operator != "resize"
+            items = (decode_video(request.video, self.config.candidates if selecting else self.config.max_num_frames),)
+        else:
+            if not request.images:
+                raise ValueError("a request needs a video or at least one image")
+            if not self.method.images or self.config.operator != "resize":
+                takes = ", ".join(name for name, method in METHODS.items() if method.images)
+                raise ValueError(f"method={self.config.method}, operator={self.config.operator} works on videos only; images take {takes}")
+            if not self.backbone.serves_images:
+                raise ValueError(f"{type(self.backbone).__name__} answers video requests; image suites run on the HF classes")
+            frames = [np.array(im.convert("RGB") if hasattr(im, "convert") else im, dtype=np.uint8) for im in request.images]
+            items = tuple(DecodedVideo(frames=f[None], indices=[0], total_frames=1, fps=1.0) for f in frames)
+        return Decoded(items=items, images=request.video is None, seconds=time.perf_counter() - t0)
 
-    def run_images(self, images: list, prompt: str, query: str = "", gen_kwargs: dict | None = None, record: SampleRecord | None = None) -> tuple[str, SampleRecord]:
-        """Answer `prompt` (chat text with one image placeholder per image) about PIL or uint8
-        images. Each image is a one-frame video with its own base size and scale from the same
-        policy (a pair for the backbone); R is counted the same way."""
-        if self.config.method in COMPRESSION_METHODS or self.config.operator != "resize":
-            raise ValueError(f"method={self.config.method}, operator={self.config.operator} works on videos only; images take vanilla, fixed_scale or resadapt")
-        record = record or SampleRecord(doc_id=None, task=None, method=self.config.method)
-        record.target_retention = self.config.budget.retention
+    def score(self, requests: list[Request], decoded: dict[int, Decoded], failed: dict) -> dict[int, Scores]:
+        """The Allocator's raw scales for every decoded sample in one call (all images of a
+        request in one sequence); empty scores for methods without the Allocator."""
+        alive = [i for i in decoded if i not in failed]
+        if self.allocator is None or not alive:
+            return {i: Scores() for i in alive}
+        sequences = [[item.frames for item in decoded[i].items] for i in alive]
+        try:
+            raw, seconds = self.allocator.raw_scales_batch(sequences, [requests[i].query for i in alive])
+        except Exception as exc:
+            return self._fail_together(alive, exc, failed)
+        out = {}
+        for i, scales in zip(alive, raw):
+            lengths = [len(item.indices) for item in decoded[i].items]
+            per_item = tuple(np.split(scales, np.cumsum(lengths)[:-1]))
+            out[i] = Scores(per_item, seconds["allocator_text_s"], seconds["allocator_visual_s"], seconds["allocator_predict_s"])
+        return out
+
+    def _fail_together(self, alive: list[int], exc: Exception, failed: dict) -> dict:
+        """A stage that ran for several samples at once failed: all of them fail with it."""
+        if self.config.strict:
+            raise exc
+        failed.update({i: exc for i in alive})
+        return {}
+
+    def plan(self, decoded: Decoded, scores: Scores) -> Planned:
+        """Scales -> one resize plan per item: the method's policy, or the Allocator's scales fit
+        to the retention (jointly over a request's images); or frame selection (`Planner.select`)."""
         t0 = time.perf_counter()
-        frames = [np.array(image.convert("RGB") if hasattr(image, "convert") else image, dtype=np.uint8) for image in images]
-        record.decode_s = time.perf_counter() - t0
+        items, candidates = decoded.items, None
+        base_hws = [self.planner.base_hw(item.frames.shape[1:3]) for item in items]
+        if self.method.needs_allocator:
+            t1 = time.perf_counter()
+            if self.config.operator == "resize":
+                scales = self.planner.fit(scores.raw, base_hws, self.config.budget.retention)
+            else:
+                cfg, candidates = self.config, len(items[0].indices)
+                positions, kept_scales, reference = self.planner.select(scores.raw[0], base_hws[0], cfg.operator, cfg.top_k, cfg.score_threshold)
+                items, scales = (items[0].subset(positions),), [kept_scales]
+            projection_s = time.perf_counter() - t1
+        else:
+            scales, projection_s = [self.method.policy(len(item.indices), hw, self.layout.grid, self.config.budget) for item, hw in zip(items, base_hws)], 0.0
+        plans = tuple(self.planner.plan(s, hw) for s, hw in zip(scales, base_hws))
+        if candidates is None:
+            reference = sum(p.reference_tokens for p in plans)
+        return Planned(items, plans, reference, candidates, projection_s, time.perf_counter() - t0)
+
+    def build(self, request: Request, decoded: Decoded, planned: Planned) -> Built:
+        """The engine's request: frames resized to the plan, then the prompt and pixels (and, for
+        token compressors, the encoded tokens compressed to round(R * N))."""
         t0 = time.perf_counter()
-        context = {"timings": {}}
-        plans = []
-        for frame in frames:
-            video = DecodedVideo(frames=frame[None], indices=[0], total_frames=1, fps=1.0)
-            plans.append(self.plan(video, query, context))
-        record.num_frames = len(frames)
-        record.base_size = [list(p.base_hw) for p in plans]
-        record.scales = [round(p.frame_scales[0], 6) for p in plans]
-        record.pair_sizes = [list(p.pair_sizes[0]) for p in plans]
-        record.grids = [list(p.grids[0]) for p in plans]
-        record.reference_tokens = sum(p.reference_tokens for p in plans)
-        inputs = self.adapter.build_image_inputs(prompt, frames, plans, timings=context["timings"])
-        self.stage_times(record, context, t0)
-        record.visual_tokens = int((inputs["input_ids"] == self.adapter.processor.image_token_id).sum())
-        record.achieved_retention = record.visual_tokens / record.reference_tokens
-        record.frame_budget = record.visual_tokens / sum(self.adapter.grid.tokens(*p.base_hw) for p in plans) * len(plans)
-        record.input_tokens = int(inputs["input_ids"].shape[1])
-        return self._generate(inputs, gen_kwargs, record)
+        merged = None
+        if decoded.images:
+            frames = [item.frames[0] for item in planned.items]
+            resized = self.layout.resized_images(frames, list(planned.plans))
+            resize_s = time.perf_counter() - t0
+            payload = self.backbone.build_image_inputs(request.prompt, frames, list(planned.plans), resized)
+            visual = sum(p.visual_tokens for p in planned.plans)
+        else:
+            (video,), (plan,) = planned.items, planned.plans
+            pairs = self.layout.resized_pairs(video, plan)
+            resize_s = time.perf_counter() - t0
+            if self.method.compress is None:
+                payload, visual = self.backbone.build_inputs(request.prompt, video, plan, pairs), plan.visual_tokens
+            else:
+                payload, sizes = self.backbone.build_compressed_inputs(
+                    request.prompt, video, plan, self.method.compress, self.config.budget.retention,
+                    seed=self.config.compression_seed, needs_attention=self.method.needs_attention, pairs=pairs,
+                )  # fmt: skip
+                merged = tuple(sizes.tolist())
+                visual = len(merged)
+        return Built(payload, visual, merged, resize_s, time.perf_counter() - t0)
+
+    def generate(self, requests: list[Request], built: dict[int, Built], failed: dict) -> dict[int, Generated]:
+        """Generate every built request in one engine call (its time shared equally); a prompt
+        whose visual placeholders differ from what was built fails its sample."""
+        alive = [i for i in built if i not in failed]
+        if not alive:
+            return {}
+        t0 = time.perf_counter()
+        try:
+            outputs = self.backbone.generate_batch([built[i].request for i in alive], [requests[i].gen_kwargs for i in alive])
+        except Exception as exc:
+            return self._fail_together(alive, exc, failed)
+        share = (time.perf_counter() - t0) / len(alive)
+        out = {}
+        for i, (text, prompt_ids, n_out) in zip(alive, outputs):
+            out[i] = Generated(text, tuple(prompt_ids), n_out, share)
+            counted = out[i].prompt_ids.count(self.layout.placeholder_id(not requests[i].video))
+            if counted != built[i].visual_tokens:
+                exc = RuntimeError(f"the engine's prompt holds {counted} visual placeholders, the plan counts {built[i].visual_tokens}")
+                if self.config.strict:
+                    raise exc
+                failed[i] = exc
+        return out
+
+    # ------------------------------------------------------------------ the record
+    def record(self, request: Request, decoded: Decoded | None, scores: Scores | None, planned: Planned | None,
+               built: Built | None, generated: Generated | None, error: Exception | None) -> SampleRecord:  # fmt: skip
+        """The sidecar record of one sample, from the stages it completed."""
+        record = SampleRecord(doc_id=request.doc_id, task=request.task, method=self.config.method,
+                              video=None if request.video is None else str(request.video),
+                              target_retention=self.config.budget.retention, error=error_text(error) if error else None)  # fmt: skip
+        if decoded is not None:
+            record.decode_s = decoded.seconds
+        if scores is not None:
+            record.allocator_text_s, record.allocator_visual_s, record.allocator_predict_s = scores.text_s, scores.visual_s, scores.predict_s
+            if scores.raw is not None:
+                record.raw_scales = [round(float(s), 6) for item in scores.raw for s in item]
+        if planned is not None:
+            plans = planned.plans
+            record.num_frames = sum(len(item.indices) for item in planned.items)
+            record.frame_indices = [] if decoded.images else planned.items[0].indices
+            record.base_size = [list(p.base_hw) for p in plans] if decoded.images else list(plans[0].base_hw)
+            record.scales = [round(s, 6) for p in plans for s in p.frame_scales]
+            record.pair_sizes = [list(hw) for p in plans for hw in p.pair_sizes]
+            record.grids = [list(g) for p in plans for g in p.grids]
+            record.reference_tokens = planned.reference_tokens
+            record.candidates = planned.candidates
+            record.allocator_predict_s += planned.projection_s
+            record.preprocess_s = planned.seconds - planned.projection_s
+        if built is not None:
+            record.merged_sizes = list(built.merged_sizes) if built.merged_sizes is not None else None
+            record.scale_apply_s = built.resize_s
+            record.preprocess_s += built.seconds
+        if generated is not None:
+            grid = self.layout.grid
+            record.visual_tokens = generated.prompt_ids.count(self.layout.placeholder_id(decoded.images))
+            record.achieved_retention = record.visual_tokens / record.reference_tokens
+            # full-resolution frames: a video frame is half a pair at the base size, an image a whole one
+            frame_tokens = [grid.tokens(*p.base_hw) / (1 if decoded.images else grid.temporal_patch) for p in planned.plans]
+            record.frame_budget = record.visual_tokens / sum(frame_tokens) * len(frame_tokens)
+            record.input_tokens, record.output_tokens, record.generate_s = len(generated.prompt_ids), generated.output_tokens, generated.seconds
+        return record

@@ -19,10 +19,10 @@ from pathlib import Path
 
 import yaml
 
-from .lmms.manifests import BACKBONES, METHOD_PREFIXES
+from .lmms.manifests import BACKBONES
+from .methods import METHODS, NO_RETENTION, get_method
 
 CELL_FILE = "cell.json"
-RETENTION_FREE = ("vanilla",)  # methods with no retention target
 
 
 @dataclass
@@ -93,14 +93,15 @@ class Cell:
 
 
 def plan_cells(methods: list[str], retentions: list[float], frames: list[int]) -> list[Cell]:
-    """The grid: every method at every retention and frame count; vanilla once per frame count."""
-    unknown = [m for m in methods if m not in METHOD_PREFIXES]
+    """The grid: every method at every retention and frame count; methods without a retention
+    target (vanilla) once per frame count."""
+    unknown = [m for m in methods if m not in METHODS]
     if unknown:
-        raise ValueError(f"unknown methods {unknown}; available: {', '.join(METHOD_PREFIXES)}")
+        raise ValueError(f"unknown methods {unknown}; known methods: {', '.join(METHODS)}")
     cells = []
     for f in frames:
         for m in methods:
-            if m in RETENTION_FREE:
+            if METHODS[m].retention == NO_RETENTION:
                 cells.append(Cell(m, None, f))
             else:
                 cells.extend(Cell(m, r, f) for r in retentions)
@@ -109,14 +110,14 @@ def plan_cells(methods: list[str], retentions: list[float], frames: list[int]) -
 
 def cell_command(card: ModelCard, cell: Cell, tasks: list[str], out: Path, launcher: str | None = None, limit: int | None = None) -> list[str]:
     """The lmms-eval command line of one cell (under `launcher`, e.g. `accelerate launch --num_processes 8`)."""
-    prefix = METHOD_PREFIXES[cell.method][0]
+    model = get_method(cell.method).model_names(card.backbone)[0]
     args = dict(pretrained=card.pretrained, method=cell.method, max_num_frames=cell.frames, **card.model_args)
     if cell.retention is not None:
         args["retention"] = cell.retention
-    if cell.method == "resadapt" and card.allocator:
+    if get_method(cell.method).needs_allocator and card.allocator:
         args["allocator"] = card.allocator
     runner = shlex.split(launcher) if launcher else [sys.executable]
-    cmd = [*runner, "-m", "lmms_eval", "--model", f"{prefix}_{card.backbone}", "--model_args", ",".join(f"{k}={v}" for k, v in args.items() if v is not None),
+    cmd = [*runner, "-m", "lmms_eval", "--model", model, "--model_args", ",".join(f"{k}={v}" for k, v in args.items() if v is not None),
            "--tasks", ",".join(tasks), "--output_path", str(out), "--log_samples"]  # fmt: skip
     if card.include_path:
         cmd += ["--include_path", card.include_path]

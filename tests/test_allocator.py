@@ -6,6 +6,7 @@ import pytest
 import torch
 from torch.distributions import Beta
 
+from resadapt_eval.budget.planner import Planner
 from resadapt_eval.allocator import (
     Allocator,
     AllocatorConfig,
@@ -195,23 +196,24 @@ def test_projection_rejects_infeasible_targets():
         project_to_retention([1.0] * 8, 5.0, base, QWEN25VL_GRID, 0.2, 1.8)
 
 
-def test_policy_projects_to_the_target_and_records_stage_times():
+def test_policy_scales_are_projected_to_the_target_and_stage_times_recorded():
     allocator = Allocator(tiny_config())
     policy = AllocatorPolicy(allocator)
     video_frames = frames(9, height=240, width=320).numpy()
-    video = DecodedVideo(frames=video_frames, indices=list(range(9)), total_frames=9, fps=3.0)
-    base = base_size(240, 320, QWEN25VL_GRID, 4 * 784, 768 * 784)
-    context = {"video": video, "query": "what colour?"}
-    scales = policy(9, base, QWEN25VL_GRID, BudgetSpec(retention=0.25), context)
-    plan = plan_from_scales(scales, base, QWEN25VL_GRID)
+    raw, seconds = policy.raw_scales(video_frames, "what colour?")
+    assert raw.shape == (9,)
+    assert set(seconds) == {"allocator_text_s", "allocator_visual_s", "allocator_predict_s"}
+    assert all(v > 0 for v in seconds.values())
+    planner = Planner(QWEN25VL_GRID, BudgetSpec(retention=0.25))
+    base = planner.base_hw((240, 320))
+    assert base == base_size(240, 320, QWEN25VL_GRID, 4 * 784, 768 * 784)
+    (scales,) = planner.fit([raw], [base], 0.25)
+    plan = planner.plan(scales, base)
     assert plan.retention <= 0.25
     assert len(set(np.round(scales, 6))) > 1
-    assert set(context["timings"]) == {"allocator_text_s", "allocator_visual_s", "allocator_predict_s"}
-    assert all(v > 0 for v in context["timings"].values())
-    assert len(context["raw_scales"]) == 9
     # Without a target the raw scales are used (clipped to the range).
-    free = policy(9, base, QWEN25VL_GRID, BudgetSpec(), {"video": video, "query": "what colour?"})
-    assert np.allclose(free, np.clip(context["raw_scales"], 0.2, 1.8))
+    (free,) = planner.fit([raw], [base], None)
+    assert np.allclose(free, np.clip(raw, 0.2, 1.8))
 
 
 def test_smolvlm_encoders_on_a_tiny_offline_smolvlm(fixtures_dir, tmp_path):

@@ -5,7 +5,7 @@ import pytest
 import torch
 from transformers.video_utils import VideoMetadata
 
-from resadapt_eval.backbones.qwen import VIDEO_TOKEN_TYPE, resize_frames
+from resadapt_eval.backbones.layout import VIDEO_TOKEN_TYPE, resize_frames
 from resadapt_eval.budget.plan import plan_from_scales
 from resadapt_eval.video import DecodedVideo
 

@@ -4,8 +4,11 @@ import numpy as np
 import pytest
 import torch
 
-from resadapt_eval.backbones.qwen import VIDEO_TOKEN_TYPE
-from resadapt_eval.baselines import COMPRESSORS, NEEDS_ATTENTION, VisualTokens, kept_count
+from resadapt_eval.backbones.layout import VIDEO_TOKEN_TYPE
+from resadapt_eval.backbones.vision_attention import last_block_input
+from resadapt_eval.baselines import VisualTokens, kept_count
+from resadapt_eval.methods import AFTER_MERGER
+from resadapt_eval.methods import METHODS as REGISTRY
 from resadapt_eval.baselines.common import per_pair_budget
 from resadapt_eval.budget.plan import plan_from_scales
 from resadapt_eval.video import DecodedVideo
@@ -13,7 +16,7 @@ from resadapt_eval.video import DecodedVideo
 from .test_backbones import chat_prompt, first_logits_and_text
 
 BACKBONES = ["qwen25vl", "qwen3vl"]
-METHODS = sorted(COMPRESSORS)
+METHODS = sorted(name for name, m in REGISTRY.items() if m.stage == AFTER_MERGER)
 
 
 def video(num_frames=8, seed=0):
@@ -32,7 +35,7 @@ def setup(adapter, num_frames=8):
 
 def compressed(adapter, method, retention, seed=0, num_frames=8):
     prompt, v, plan = setup(adapter, num_frames)
-    inputs, sizes = adapter.build_compressed_inputs(prompt, v, plan, COMPRESSORS[method], retention, seed=seed, needs_attention=method in NEEDS_ATTENTION)
+    inputs, sizes = adapter.build_compressed_inputs(prompt, v, plan, REGISTRY[method].compress, retention, seed=seed, needs_attention=REGISTRY[method].needs_attention)
     full = adapter.build_inputs(prompt, v, plan)
     return inputs, sizes, full, plan
 
@@ -109,10 +112,10 @@ def test_compressors_on_hand_made_tokens():
     feats = torch.tensor([[1.0, 0.0], [1.0, 0.0], [0.0, 1.0], [0.7, 0.7], [1.0, 0.1], [0.1, 1.0], [-1.0, 0.0], [0.0, -1.0]])
     tokens = VisualTokens(features=feats, pair_sizes=[4, 4], grids=[(1, 2, 2), (1, 2, 2)], received_attention=torch.tensor([0.1, 0.2, 0.9, 0.3, 0.5, 0.1, 0.2, 0.8]))
     # ToMe at 3 of 4 per pair: first merges the most similar edge, identical tokens 0 -> 1
-    tome = COMPRESSORS["tome"](tokens, 6)
+    tome = REGISTRY["tome"].compress(tokens, 6)
     assert tome[0].item() == 1 and len(set(tome.tolist())) == 6
     # VisionZip with one token per pair keeps the most attended one
-    vz = COMPRESSORS["visionzip"](tokens, 2)
+    vz = REGISTRY["visionzip"].compress(tokens, 2)
     assert sorted(set(vz.tolist()) - {-1}) == [2, 7]
     assert (vz[[0, 1, 3, 4, 5, 6]] == -1).all()
 
@@ -139,15 +142,10 @@ def test_received_attention_is_a_distribution_per_attention_segment(adapters, ba
     adapter = adapters[backbone]
     prompt, v, plan = setup(adapter)
     full = adapter.build_inputs(prompt, v, plan)
-    captured = {}
-    hook = adapter.model.model.visual.blocks[-1].attn.register_forward_pre_hook(
-        lambda m, args, kwargs: captured.update(module=m, hidden_states=args[0], cu_seqlens=kwargs["cu_seqlens"], position_embeddings=kwargs["position_embeddings"]),
-        with_kwargs=True,
-    )
     with torch.no_grad():
-        adapter.model.model.get_video_features(full["pixel_values_videos"], full["video_grid_thw"], return_dict=True)
+        with last_block_input(adapter.model) as captured:
+            adapter.model.model.get_video_features(full["pixel_values_videos"], full["video_grid_thw"], return_dict=True)
         received = adapter.received_attention(captured, full["video_grid_thw"])
-    hook.remove()
     assert received.shape == (plan.visual_tokens,) and (received > 0).all()
     # Softmax rows sum to 1 within each attention segment; averaged over 4-patch units the
     # total is (segments) / 4.

@@ -9,7 +9,7 @@ import pytest
 from PIL import Image
 
 from resadapt_eval.budget.policies import BudgetSpec
-from resadapt_eval.pipeline import VideoPipeline, VideoPipelineConfig
+from resadapt_eval.pipeline import Request, VideoPipeline, VideoPipelineConfig
 from resadapt_eval.tasks import grounding
 
 from .conftest import REPO
@@ -89,12 +89,12 @@ def test_images_take_the_same_budget_path(adapters):
     prompt = adapter.processor.apply_chat_template([{"role": "user", "content": [{"type": "image", "image": image}, {"type": "text", "text": "What is shown?"}]}],
                                                    tokenize=False, add_generation_prompt=True)  # fmt: skip
     vanilla = VideoPipeline(adapter, VideoPipelineConfig(method="vanilla"))
-    _, record = vanilla.run_images([image], prompt)
+    _, record = vanilla.run(Request(prompt, images=(image,)))
     # 240x320 -> 252x308 px base = 9x11 tokens; one image = one pair
     assert record.grids == [[1, 9, 11]] and record.visual_tokens == record.reference_tokens == 99
     fixed = VideoPipeline(adapter, VideoPipelineConfig(method="fixed_scale", budget=BudgetSpec(retention=0.25)))
-    _, record = fixed.run_images([image], prompt)
+    _, record = fixed.run(Request(prompt, images=(image,)))
     assert record.visual_tokens == 24 and record.achieved_retention == pytest.approx(24 / 99)  # s = 0.5 -> 4x6
     tome = VideoPipeline(adapter, VideoPipelineConfig(method="tome", budget=BudgetSpec(retention=0.25)))
-    with pytest.raises(ValueError, match="works on videos only"):
-        tome.run_images([image], prompt)
+    _, record = tome.run(Request(prompt, images=(image,)))
+    assert record.error.startswith("ValueError") and "works on videos only" in record.error and record.visual_tokens == 0

@@ -213,24 +213,27 @@ def test_cell_summary_by_hand(tmp_path):
 
 
 def test_committed_needle_allocator_spends_r025_on_the_evidence_pair(tmp_path):
-    """The committed checkpoint through the `method=resadapt` policy, on fresh cued videos
-    (test-split seed): at R=0.25 the evidence pair is the one pair at full size (224 px, the
-    size the glyph is readable at)."""
-    from resadapt_eval.allocator import AllocatorPolicy, load_allocator
-    from resadapt_eval.budget.plan import QWEN25VL_GRID
+    """The committed checkpoint through the `method=resadapt` pipeline's stages (decode, Allocator,
+    plan), on fresh cued videos (test-split seed): at R=0.25 the evidence pair is the one pair at
+    full size (224 px, the size the glyph is readable at)."""
+    from resadapt_eval.backbones.qwen import Qwen25VLAdapter
     from resadapt_eval.needle.data import make_split
-    from resadapt_eval.video import decode_video
+    from resadapt_eval.pipeline import Request, VideoPipeline, VideoPipelineConfig
 
-    policy = AllocatorPolicy(load_allocator(str(REPO / "results" / "needle" / "allocator-qwen25vl")))
+    backbone = Qwen25VLAdapter.from_pretrained(str(REPO / "results" / "needle" / "backbone-qwen25vl"), dtype="float32")
+    allocator = str(REPO / "results" / "needle" / "allocator-qwen25vl")
     spec = BudgetSpec(retention=0.25, s_min=0.1, s_max=1.0)  # the needle card's range
+    pipeline = VideoPipeline(backbone, VideoPipelineConfig(method="resadapt", allocator=allocator, max_num_frames=16, budget=spec))
     rows = [
         json.loads(line)
         for line in make_split(tmp_path, "test", 8, seed=2, cue=True, progress=False).read_text().splitlines()
     ]
     full = 0
     for row in rows:
-        context = {"video": decode_video(row["video_path"], 16), "query": row["question"]}
-        plan = plan_from_scales(policy(16, (224, 224), QWEN25VL_GRID, spec, context), (224, 224), QWEN25VL_GRID)
-        assert plan.retention <= 0.25
+        request = Request("", video=row["video_path"], query=row["question"])
+        decoded = pipeline.decode(request)
+        (scores,) = pipeline.score([request], {0: decoded}, {}).values()
+        (plan,) = pipeline.plan(decoded, scores).plans
+        assert plan.base_hw == (224, 224) and plan.retention <= 0.25
         full += [i for i, size in enumerate(plan.pair_sizes) if size == (224, 224)] == [row["evidence_pair"]]
     assert full >= 7  # 99.5% of 400 test videos in the README's sweep

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import torch
 
-from resadapt_eval.backbones.qwen import VIDEO_TOKEN_TYPE
+from resadapt_eval.backbones.layout import VIDEO_TOKEN_TYPE
 from resadapt_eval.budget.plan import plan_from_scales
 from resadapt_eval.budget.selection import select_frames
 from resadapt_eval.video import DecodedVideo

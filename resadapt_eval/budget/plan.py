@@ -207,32 +207,54 @@ def project_to_retention(
     **bounds,
 ) -> np.ndarray:
     """Rescale per-frame `scales` by one global factor g, clipped to [s_min, s_max], so that the
-    exact plan has the largest R not above `target`; the relative allocation is kept.
+    exact plan has the largest R not above `target`; the relative allocation is kept."""
+    (projected,) = project_jointly([scales], target, [base_hw], grid, s_min, s_max, **bounds)
+    return projected
 
-    R(g) is non-decreasing in g, from the all-s_min plan to the all-s_max plan; bisection on g
+
+def project_jointly(
+    scales: Sequence[Sequence[float]],
+    target: float,
+    base_hws: Sequence[tuple[int, int]],
+    grid: TokenGrid,
+    s_min: float,
+    s_max: float,
+    **bounds,
+) -> list[np.ndarray]:
+    """`project_to_retention` for several visual items of one request (the images of a prompt),
+    item i with per-frame `scales[i]` at base size `base_hws[i]`: one global factor g for all of
+    them, so that the request's R (all items' tokens / all items' vanilla tokens) is the largest
+    not above `target`, and the Allocator's allocation across items is kept.
+
+    R(g) is non-decreasing in g, from the all-s_min plans to the all-s_max plans; bisection on g
     finds the last step at or below the target. A target outside that range is an error.
     """
-    s = np.asarray(scales, dtype=np.float64)
-    if s.ndim != 1 or not len(s) or not (s > 0).all():
-        raise ValueError("scales must be a non-empty 1-D array of positive numbers")
+    items = [np.asarray(s, dtype=np.float64) for s in scales]
+    if not items or any(s.ndim != 1 or not len(s) or not (s > 0).all() for s in items):
+        raise ValueError("scales must be non-empty 1-D arrays of positive numbers")
+    if len(items) != len(base_hws):
+        raise ValueError(f"{len(items)} scale arrays for {len(base_hws)} base sizes")
 
-    def plan_at(g: float) -> ResizePlan:
-        return plan_from_scales(np.clip(g * s, s_min, s_max), base_hw, grid, **bounds)
+    def retention_at(g: float) -> float:
+        plans = [plan_from_scales(np.clip(g * s, s_min, s_max), hw, grid, **bounds) for s, hw in zip(items, base_hws)]
+        return sum(p.visual_tokens for p in plans) / sum(p.reference_tokens for p in plans)
 
-    g_lo, g_hi = s_min / s.max(), s_max / s.min()  # every frame at s_min / at s_max
-    r_lo, r_hi = plan_at(g_lo).retention, plan_at(g_hi).retention
+    flat = np.concatenate(items)
+    g_lo, g_hi = s_min / flat.max(), s_max / flat.min()  # every frame at s_min / at s_max
+    r_lo, r_hi = retention_at(g_lo), retention_at(g_hi)
     if not r_lo <= target:
         raise ValueError(f"retention {target} is below the smallest plan (every frame at s_min={s_min}: R={r_lo:.4f})")
     if target > r_hi:
         raise ValueError(f"retention {target} is above the largest plan (every frame at s_max={s_max}: R={r_hi:.4f})")
     if target == r_hi:
-        return np.clip(g_hi * s, s_min, s_max)
-    for _ in range(60):
-        mid = 0.5 * (g_lo + g_hi)
-        if plan_at(mid).retention <= target:
-            g_lo = mid
-        else:
-            g_hi = mid
-        if g_hi - g_lo <= 1e-12 * g_hi:
-            break
-    return np.clip(g_lo * s, s_min, s_max)
+        g_lo = g_hi
+    else:
+        for _ in range(60):
+            mid = 0.5 * (g_lo + g_hi)
+            if retention_at(mid) <= target:
+                g_lo = mid
+            else:
+                g_hi = mid
+            if g_hi - g_lo <= 1e-12 * g_hi:
+                break
+    return [np.clip(g_lo * s, s_min, s_max) for s in items]

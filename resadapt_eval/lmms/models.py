@@ -1,7 +1,7 @@
 """lmms-eval chat model classes: parse `model_args`, run `VideoPipeline`, write sidecar records.
 
-Registered through the `lmms_eval.models` entry point (see `manifests.py`) as
-`resadapt_qwen25vl` and `resadapt_qwen3vl`.
+Registered through the `lmms_eval.models` entry point (see `manifests.py`): `resadapt_qwen25vl`
+and `resadapt_qwen3vl` (any method), and one class per registered method and backbone.
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ import json
 import sys
 import time
 from pathlib import Path
+from typing import get_args, get_type_hints
 
 from loguru import logger
 from tqdm import tqdm
@@ -23,8 +24,10 @@ from lmms_eval.utils import sanitize_model_name
 
 from ..backbones.qwen import Qwen3VLAdapter, Qwen25VLAdapter, QwenVideoAdapter
 from ..budget.policies import BudgetSpec
-from ..pipeline import SampleRecord, VideoPipeline, VideoPipelineConfig
-from .manifests import METHOD_PREFIXES, class_name
+from ..methods import METHODS
+from ..pipeline import Request, VideoPipeline, VideoPipelineConfig
+from ..record import SampleRecord
+from .manifests import BACKBONES, class_name
 
 
 def _none_or(value, cast):
@@ -42,11 +45,12 @@ def lmms_eval_output_path() -> str | None:
 class ResAdaptQwen(lmms):
     """Qwen video model whose visual budget is set per frame pair by `method`.
 
-    model_args: pretrained (path or hub id), method (vanilla | fixed_scale | resadapt), retention
-    (target R; for resadapt the Allocator's scales are projected onto it), allocator (checkpoint
-    folder or `builtin`), allocator_inference (mean | quantile | sample), allocator_quantile,
-    allocator_seed, compression_seed (random_drop's subset; token compressors: random_drop | tome |
-    visionzip | flashvid compress the vanilla plan's merged tokens to round(R * N)), operator
+    model_args: pretrained (path or hub id), method (a registered method: vanilla | random_drop |
+    tome | visionzip | flashvid | fixed_scale | resadapt), retention (target R; for resadapt the
+    Allocator's scales are projected onto it), allocator (checkpoint folder or `builtin`),
+    allocator_inference (mean | quantile | sample), allocator_quantile, allocator_seed,
+    compression_seed (random_drop's subset; the token compressors compress the vanilla plan's
+    merged tokens to round(R * N)), operator
     (resize | select | select_resize; selection scores `candidates` frames with the Allocator and
     keeps `top_k` and/or those with scale >= `score_threshold`),
     max_num_frames, min_pixels / max_pixels (one frame's base area in pixels), s_min / s_max
@@ -59,46 +63,17 @@ class ResAdaptQwen(lmms):
     is_simple = False
     adapter_cls: type[QwenVideoAdapter]
     fixed_method: str | None = None  # set on the `<method>_<backbone>` classes
+    chunk_size = 1  # requests per `VideoPipeline.run_batch` call: the HF path answers one at a time
 
-    def __init__(
-        self,
-        pretrained: str,
-        method: str | None = None,
-        retention: float | None = None,
-        max_num_frames: int = 32,
-        min_pixels: int | None = None,
-        max_pixels: int | None = None,
-        s_min: float = 0.2,
-        s_max: float = 1.8,
-        min_tokens_per_pair: int = 1,
-        max_tokens_per_pair: int | None = None,
-        pair_reduction: str = "mean",
-        device: str | None = None,
-        dtype: str = "auto",
-        attn_implementation: str | None = None,
-        strict: bool = False,
-        sidecar_dir: str | None = None,
-        allocator: str | None = None,
-        allocator_inference: str = "mean",
-        allocator_quantile: float = 0.5,
-        allocator_seed: int = 0,
-        compression_seed: int = 0,
-        operator: str = "resize",
-        candidates: int = 128,
-        top_k: int | None = 32,
-        score_threshold: float | None = None,
-        batch_size: int | str = 1,
-        max_batch_size: int | None = None,
-        **unknown,
-    ):
+    def __init__(self, pretrained: str, device: str | None = None, dtype: str = "auto", attn_implementation: str | None = None,
+                 sidecar_dir: str | None = None, batch_size: int | str = 1, max_batch_size: int | None = None, **model_args):  # fmt: skip
         super().__init__()
-        if unknown:
-            raise ValueError(f"unknown model_args for {type(self).__name__}: {', '.join(sorted(unknown))}")
+        method = model_args.pop("method", None)
         if self.fixed_method and method not in (None, self.fixed_method):
             raise ValueError(f"{type(self).__name__} runs method={self.fixed_method}; use resadapt_<backbone> for method={method}")
-        method = method or self.fixed_method or "vanilla"
         if int(batch_size) != 1:
             raise ValueError("resadapt models run batch_size=1 (each sample has its own per-pair sizes)")
+        config = config_from_model_args(method=method or self.fixed_method or "vanilla", **model_args)
         from accelerate import Accelerator
 
         self.accelerator = Accelerator()
@@ -107,31 +82,7 @@ class ResAdaptQwen(lmms):
             self._rank = self.accelerator.process_index
             self._world_size = self.accelerator.num_processes
         device = device or ("cuda" if _cuda_available() else "cpu")
-        self.method = method
-        self.strict = bool(strict)
-        config = VideoPipelineConfig(
-            method=method,
-            max_num_frames=int(max_num_frames),
-            min_pixels=_none_or(min_pixels, int),
-            max_pixels=_none_or(max_pixels, int),
-            budget=BudgetSpec(
-                retention=_none_or(retention, float),
-                s_min=float(s_min),
-                s_max=float(s_max),
-                min_tokens_per_pair=int(min_tokens_per_pair),
-                max_tokens_per_pair=_none_or(max_tokens_per_pair, int),
-                pair_reduction=pair_reduction,
-            ),
-            allocator=_none_or(allocator, str),
-            allocator_inference=allocator_inference,
-            allocator_quantile=float(allocator_quantile),
-            allocator_seed=int(allocator_seed),
-            compression_seed=int(compression_seed),
-            operator=operator,
-            candidates=int(candidates),
-            top_k=_none_or(top_k, int),
-            score_threshold=_none_or(score_threshold, float),
-        )
+        self.method, self.strict = config.method, config.strict
         backbone = self._build_backbone(str(pretrained), config, device=device, dtype=dtype, attn_implementation=_none_or(attn_implementation, str))
         self.pipeline = VideoPipeline(backbone, config)
         self.batch_size_per_gpu = 1
@@ -152,53 +103,58 @@ class ResAdaptQwen(lmms):
     def generate_until(self, requests: list[Instance]) -> list[GenerationResult]:
         self.sidecar_path.parent.mkdir(parents=True, exist_ok=True)
         results, records = [], []
-        with open(self.sidecar_path, "a", encoding="utf-8") as sidecar:
-            for request in tqdm(requests, disable=self.rank != 0, desc=f"{type(self).__name__} [{self.method}]"):
-                text, record = self._answer(request)
-                sidecar.write(json.dumps(record.to_dict()) + "\n")
+        desc = f"{type(self).__name__} [{self.method}]"
+        with open(self.sidecar_path, "a", encoding="utf-8") as sidecar, tqdm(total=len(requests), disable=self.rank != 0, desc=desc) as bar:
+            for start in range(0, len(requests), self.chunk_size):
+                chunk = requests[start : start + self.chunk_size]
+                for text, record in self._answer_chunk(chunk):
+                    sidecar.write(json.dumps(record.to_dict()) + "\n")
+                    records.append(record)
+                    counts = TokenCounts(input_tokens=record.input_tokens, output_tokens=record.output_tokens)
+                    results.append(GenerationResult(text=text, token_counts=counts))
                 sidecar.flush()
-                records.append(record)
-                results.append(GenerationResult(text=text, token_counts=TokenCounts(input_tokens=record.input_tokens, output_tokens=record.output_tokens)))
+                bar.update(len(chunk))
         self._log_run(records)
         return results
 
-    def _parse(self, request: Instance) -> tuple[str, str, list, list, dict]:
-        """(chat prompt text, user query, images, videos, lmms-eval gen_kwargs) of a request."""
-        _, doc_to_messages, gen_kwargs, doc_id, task, split = request.args
-        messages = ChatMessages(messages=doc_to_messages(self.task_dict[task][split][doc_id]))
+    def _answer_chunk(self, instances: list[Instance]) -> list[tuple[str, SampleRecord]]:
+        """Answers in request order; a request that fails is recorded (or raised, with strict) and
+        the chunk goes on."""
+        requests, stops = [], []
+        for instance in instances:
+            _, doc_to_messages, gen_kwargs, doc_id, task, split = instance.args
+            try:
+                requests.append(self._request(doc_to_messages(self.task_dict[task][split][doc_id]), gen_kwargs, doc_id, task))
+            except Exception as exc:
+                if self.strict:
+                    raise
+                requests.append(exc)  # recorded by the pipeline's record builder below
+            stops.append(gen_kwargs.get("until"))
+        ready = [r for r in requests if isinstance(r, Request)]
+        answered = iter(self.pipeline.run_batch(ready) if ready else [])
+        answers = []
+        for instance, request, until in zip(instances, requests, stops):
+            if isinstance(request, Request):
+                text, record = next(answered)
+            else:
+                _, _, _, doc_id, task, _ = instance.args
+                text, record = "", self.pipeline.record(Request("", doc_id=doc_id, task=task), None, None, None, None, None, request)
+            if record.error is not None:
+                logger.warning(f"doc {record.doc_id} of {record.task} failed, recorded in {self.sidecar_path}: {record.error}")
+            answers.append((_cut_at_stop(text, until), record))
+        return answers
+
+    def _request(self, messages: list, gen_kwargs: dict, doc_id: int, task: str) -> Request:
+        """The pipeline request of one lmms-eval document's chat messages."""
+        messages = ChatMessages(messages=messages)
         images, videos, _ = messages.extract_media()
         if (images and videos) or len(videos) > 1 or not (images or videos):
             raise ValueError(f"expected one video or one or more images, got {len(videos)} video(s) and {len(images)} image(s)")
         hf_messages = messages.to_hf_messages()
-        prompt = self.pipeline.adapter.processor.apply_chat_template(hf_messages, tokenize=False, add_generation_prompt=True)
+        prompt = self.pipeline.layout.processor.apply_chat_template(hf_messages, tokenize=False, add_generation_prompt=True)
         query = " ".join(part["text"] for m in hf_messages if m["role"] == "user" for part in m["content"] if part["type"] == "text")
-        return prompt, query, images, videos, gen_kwargs
-
-    def _new_record(self, request: Instance) -> SampleRecord:
-        _, _, _, doc_id, task, _ = request.args
-        return SampleRecord(doc_id=doc_id, task=task, method=self.method)
-
-    def _failed(self, record: SampleRecord, exc: Exception | None = None) -> tuple[str, SampleRecord]:
-        """Record a failed sample, from `exc` or its `record.error` (or raise, with strict=True);
-        the run goes on."""
-        if self.strict:
-            raise exc or RuntimeError(record.error)
-        if exc is not None:
-            record.error = f"{type(exc).__name__}: {exc}"
-        logger.warning(f"doc {record.doc_id} of {record.task} failed, recorded in {self.sidecar_path}: {record.error}")
-        return "", record
-
-    def _answer(self, request: Instance) -> tuple[str, SampleRecord]:
-        record = self._new_record(request)
-        try:
-            prompt, query, images, videos, gen_kwargs = self._parse(request)
-            if videos:
-                text, record = self.pipeline.run(videos[0], prompt, query=query, gen_kwargs=_generation_args(gen_kwargs), record=record)
-            else:
-                text, record = self.pipeline.run_images(images, prompt, query=query, gen_kwargs=_generation_args(gen_kwargs), record=record)
-            return _cut_at_stop(text, gen_kwargs.get("until")), record
-        except Exception as exc:
-            return self._failed(record, exc)
+        return Request(prompt, video=videos[0] if videos else None, images=tuple(images), query=query,
+                       gen_kwargs=_generation_args(gen_kwargs), doc_id=doc_id, task=task)  # fmt: skip
 
     def _log_run(self, records: list[SampleRecord]) -> None:
         """Run totals into lmms-eval's results JSON (`throughput`, as avg_resadapt_* keys)."""
@@ -224,6 +180,43 @@ class ResAdaptQwen(lmms):
 
     def generate_until_multi_round(self, requests):
         raise NotImplementedError("resadapt models answer single-round requests")
+
+
+def config_from_model_args(**model_args) -> VideoPipelineConfig:
+    """`VideoPipelineConfig` from lmms-eval model_args (strings or numbers): every field of the
+    config and of its `BudgetSpec` is a model_arg of the same name, cast to the field's type
+    (`none` for an optional one); an unknown name or a value of the wrong type is an error naming it."""
+    fields = {**get_type_hints(VideoPipelineConfig), **get_type_hints(BudgetSpec)}
+    fields.pop("budget")
+    unknown = sorted(set(model_args) - set(fields))
+    if unknown:
+        raise ValueError(f"unknown model_args {', '.join(unknown)}; known: pretrained, device, dtype, attn_implementation, sidecar_dir, {', '.join(fields)}")
+    values = {name: _cast(name, value, fields[name]) for name, value in model_args.items()}
+    budget = BudgetSpec(**{name: values.pop(name) for name in get_type_hints(BudgetSpec) if name in values})
+    return VideoPipelineConfig(budget=budget, **values)
+
+
+def _cast(name: str, value, hint):
+    """`value` as type `hint` (`int`, `float`, `str`, `bool` or one of them `| None`)."""
+    options = [t for t in get_args(hint) if t is not type(None)] or [hint]
+    if len(options) < len(get_args(hint)) and (value is None or str(value).strip().lower() == "none"):
+        return None
+    try:
+        return _flag(value) if options[0] is bool else options[0](value)
+    except (TypeError, ValueError):
+        raise ValueError(f"model_args {name}={value!r}: expected {' or '.join(t.__name__ for t in options)}") from None
+
+
+def _flag(value) -> bool:
+    """A boolean model_arg: true/false, 1/0, yes/no (lmms-eval passes them as strings or bools)."""
+    if isinstance(value, bool):
+        return value
+    text = str(value).strip().lower()
+    if text in ("true", "1", "yes"):
+        return True
+    if text in ("false", "0", "no"):
+        return False
+    raise ValueError(f"expected true or false, got {value!r}")
 
 
 def _cuda_available() -> bool:
@@ -261,17 +254,15 @@ class ResAdaptQwen3VL(ResAdaptQwen):
     adapter_cls = Qwen3VLAdapter
 
 
-def _fixed_method_classes() -> dict[str, type]:
-    """`<method>_<backbone>` model classes (e.g. TomeQwen25VL), named as the manifest names them."""
+def __getattr__(name: str) -> type:
+    """`<Method><Backbone>` model classes (e.g. ToMeQwen25VL), made on first use for every
+    registered method and cached here: each fixes `method=` on the backbone's class, named as the
+    manifest names it (PEP 562 module attribute)."""
     bases = {"qwen25vl": ResAdaptQwen25VL, "qwen3vl": ResAdaptQwen3VL}
-    classes = {}
-    for method in METHOD_PREFIXES:
-        if method == "resadapt":
-            continue  # resadapt_<backbone> is the any-method class itself
+    for method in METHODS:
         for backbone, base in bases.items():
-            name = class_name(method, backbone)
-            classes[name] = type(name, (base,), {"fixed_method": method, "__module__": __name__, "__doc__": f"{base.__name__} with method={method}."})
-    return classes
-
-
-globals().update(_fixed_method_classes())
+            if method != "resadapt" and class_name(method, backbone) == name:  # resadapt_<backbone>: the any-method class
+                doc = f"{base.__name__} with method={method}."
+                cls = globals()[name] = type(name, (base,), {"fixed_method": method, "__module__": __name__, "__doc__": doc})
+                return cls
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

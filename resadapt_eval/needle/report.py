@@ -23,7 +23,7 @@ import numpy as np  # noqa: E402
 
 from ..budget.plan import pair_frames, reduce_pair_scales  # noqa: E402
 from ..report.collect import CellRun, collect  # noqa: E402
-from ..report.tables import METHOD_NAMES, METHOD_ORDER  # noqa: E402
+from ..methods import METHODS  # noqa: E402
 
 
 def pair_scale_of(scales) -> np.ndarray:
@@ -79,14 +79,14 @@ def summarize(run_dir: str | Path, data: str | Path) -> list[CellSummary]:
     """Every done cell of a needle sweep, in the paper's method order, then by target R (descending)."""
     rows = load_rows(data)
     cells = [summarize_cell(run, rows) for run in collect(run_dir)]
-    return sorted(cells, key=lambda c: (METHOD_ORDER.index(c.method), -(c.retention or 1.0)))
+    return sorted(cells, key=lambda c: (list(METHODS).index(c.method), -(c.retention or 1.0)))
 
 
 def to_markdown(cells: list[CellSummary]) -> str:
     lines = ["| method | R target | R achieved | accuracy % | evidence pair highest % | n |", "|---|---|---|---|---|---|"]
     for c in cells:
         target = "-" if c.retention is None else f"{c.retention:g}"
-        lines.append(f"| {METHOD_NAMES[c.method]} | {target} | {c.achieved_retention:.3f} | {100 * c.accuracy:.1f} ± {100 * c.accuracy_se:.1f} | "
+        lines.append(f"| {METHODS[c.method].display_name} | {target} | {c.achieved_retention:.3f} | {100 * c.accuracy:.1f} ± {100 * c.accuracy_se:.1f} | "
                      f"{100 * c.evidence_fraction:.1f} ± {100 * c.evidence_se:.1f} | {c.n} |")  # fmt: skip
     return "\n".join(lines)
 
@@ -102,7 +102,7 @@ def evidence_plot(run: CellRun, rows: dict[str, dict], out: Path, videos: int = 
         left.plot(frames, [rec["scales"][t] for t in frames], "o", markersize=10, markerfacecolor="none", color=line.get_color())
     left.set_xlabel("frame index (circles: the evidence pair)")
     left.set_ylabel("scale $s_t$ (after projection)")
-    left.set_title(f"{METHOD_NAMES[run.method]}, R={run.retention}: per-frame scales", fontsize=10)
+    left.set_title(f"{METHODS[run.method].display_name}, R={run.retention}: per-frame scales", fontsize=10)
     left.grid(alpha=0.3)
     left.legend(frameon=False, fontsize=7, ncol=3)
     offsets: dict[int, list[float]] = {}

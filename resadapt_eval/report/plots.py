@@ -14,7 +14,7 @@ import numpy as np  # noqa: E402
 
 from ..train.trainer import gini  # noqa: E402
 from .collect import CellRun  # noqa: E402
-from .tables import METHOD_NAMES, METHOD_ORDER  # noqa: E402
+from ..methods import METHODS  # noqa: E402
 
 
 def _save(fig, out: Path, stem: str) -> list[Path]:
@@ -29,7 +29,7 @@ def _save(fig, out: Path, stem: str) -> list[Path]:
 def pareto_lines(runs: list[CellRun], column: str, frames: int) -> dict[str, list[tuple[float, float]]]:
     """method -> (achieved R, score) points sorted by R, for one score column and frame count."""
     lines = {}
-    for method in METHOD_ORDER:
+    for method in METHODS:
         points = sorted((r.achieved_retention(), r.scores[column]) for r in runs if r.method == method and r.frames == frames and column in r.scores and r.achieved_retention() is not None)
         if points:
             lines[method] = points
@@ -42,17 +42,22 @@ def pareto(runs: list[CellRun], out: Path) -> list[Path]:
     columns = list(dict.fromkeys(c for r in runs for c in r.scores))
     for col in columns:
         for frames in sorted({r.frames for r in runs}):
-            fig, ax = plt.subplots(figsize=(6, 4.2))
-            for method, points in pareto_lines(runs, col, frames).items():
-                xs, ys = zip(*points)
-                ax.plot(xs, ys, marker="o", linewidth=1.8, label=METHOD_NAMES[method])
-            ax.set_xlabel("achieved retention R (visual tokens / vanilla)")
-            ax.set_ylabel(col)
-            ax.set_title(f"{col}, {frames} frames")
-            ax.grid(alpha=0.3)
-            ax.legend(frameon=False, fontsize=9)
-            written += _save(fig, out, f"pareto_{col}_f{frames}")
+            written += _save(pareto_figure(runs, col, frames), out, f"pareto_{col}_f{frames}")
     return written
+
+
+def pareto_figure(runs: list[CellRun], column: str, frames: int):
+    """Score vs achieved R for one column and frame count, a line per method (its display name)."""
+    fig, ax = plt.subplots(figsize=(6, 4.2))
+    for method, points in pareto_lines(runs, column, frames).items():
+        xs, ys = zip(*points)
+        ax.plot(xs, ys, marker="o", linewidth=1.8, label=METHODS[method].display_name)
+    ax.set_xlabel("achieved retention R (visual tokens / vanilla)")
+    ax.set_ylabel(column)
+    ax.set_title(f"{column}, {frames} frames")
+    ax.grid(alpha=0.3)
+    ax.legend(frameon=False, fontsize=9)
+    return fig
 
 
 def _scale_runs(runs: list[CellRun]) -> list[CellRun]:

@@ -13,14 +13,10 @@ import io
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ..methods import METHODS
 from .collect import CellRun
 
 TABLES = {"video_qa": "Video QA", "temporal_grounding": "Temporal grounding", "image": "Image transfer"}
-METHOD_NAMES = {  # in the paper's row order
-    "vanilla": "Vanilla", "random_drop": "Random Drop", "tome": "ToMe", "visionzip": "VisionZip",
-    "flashvid": "FlashVid", "fixed_scale": "FixedScale", "resadapt": "ResAdapt",
-}  # fmt: skip
-METHOD_ORDER = list(METHOD_NAMES)
 PAPER_R_TOLERANCE = 5.0  # percentage points between our target R and the paper row's R
 
 
@@ -58,13 +54,14 @@ def build_tables(runs: list[CellRun], paper_dir: Path | None = None) -> list[Tab
         if not columns:
             continue
         table = Table(name, title, columns)
+        order = list(METHODS)  # the registry's order is the paper's row order
         ordered = sorted(
             (r for r in runs if name in r.columns_by_table),
-            key=lambda r: (r.card, r.frames, -(r.retention if r.retention is not None else 2.0), METHOD_ORDER.index(r.method)),
+            key=lambda r: (r.card, r.frames, -(r.retention if r.retention is not None else 2.0), order.index(r.method)),
         )
         paper = read_paper(paper_dir / f"{name}.csv") if paper_dir else []
         for run in ordered:
-            row = dict(card=run.card, frames=run.frames, method=METHOD_NAMES[run.method], target=run.retention, R=run.achieved_retention(name))
+            row = dict(card=run.card, frames=run.frames, method=METHODS[run.method].display_name, target=run.retention, R=run.achieved_retention(name))
             row.update({c: run.scores.get(c) for c in columns})
             if paper_dir:
                 match = paper_row(paper, run)
@@ -94,7 +91,7 @@ def paper_row(rows: list[dict], run: CellRun) -> dict | None:
 
     candidates = [
         r for r in rows
-        if r.get("backbone") == run.paper_backbone and r.get("method") == METHOD_NAMES[run.method]
+        if r.get("backbone") == run.paper_backbone and r.get("method") == METHODS[run.method].display_name
         and ("frames" not in r or str(r["frames"]) == str(run.frames)) and gap(r) <= PAPER_R_TOLERANCE
     ]  # fmt: skip
     return min(candidates, key=gap, default=None)

@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from ..backbones.qwen import QwenVideoAdapter
-from ..budget.plan import base_size, plan_from_scales, project_to_retention
+from ..budget.planner import Planner
 from ..budget.policies import BudgetSpec
 from ..capo.rewards import is_correct, task_reward, task_score
 from ..video import decode_video
@@ -66,9 +66,7 @@ class HFRolloutEngine:
         if answer not in ANSWER_MODES:
             raise ValueError(f"answer must be one of {ANSWER_MODES}, got {answer!r}")
         self.adapter, self.max_num_frames, self.budget = adapter, max_num_frames, budget
-        px = adapter.grid.token_px
-        self.min_pixels = min_pixels if min_pixels is not None else 4 * px * px
-        self.max_pixels = max_pixels if max_pixels is not None else 768 * px * px
+        self.planner = Planner(adapter.grid, budget, min_pixels, max_pixels)  # plans as the inference pipeline does
         self.max_new_tokens, self.temperature, self.check_format = max_new_tokens, temperature, check_format
         self.answer, self.choices = answer, choices
         if answer == "choice_logits":
@@ -100,7 +98,7 @@ class HFRolloutEngine:
 
     def prompt(self, sample: TrainSample) -> Prompt:
         video = decode_video(sample.video, self.max_num_frames)
-        base = base_size(*video.frames.shape[1:3], self.adapter.grid, self.min_pixels, self.max_pixels)
+        base = self.planner.base_hw(video.frames.shape[1:3])
         messages = [{"role": "user", "content": [{"type": "video", "video": sample.video}, {"type": "text", "text": sample.question}]}]
         chat = self.adapter.processor.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         return Prompt(frames=video.frames, query=sample.question, sample=sample, state=dict(video=video, base=base, chat=chat))
@@ -110,14 +108,14 @@ class HFRolloutEngine:
         if self.answer == "choice_logits" and sample.task_type != "multiple_choice":
             raise ValueError(f"answer=choice_logits scores multiple-choice samples only; {sample.video} is {sample.task_type!r}")
         rewards, correct, retention, backbone = [], [], [], []
-        spec, base = self.budget, prompt.state["base"]
+        base = prompt.state["base"]
         if self.retention is not None:
             lo, hi = self.retention
             target = lo + (hi - lo) * float(torch.rand((), generator=self.generator))
         for allocation in scales:
             if self.retention is not None:
-                allocation = project_to_retention(allocation, target, base, self.adapter.grid, spec.s_min, spec.s_max, **spec.plan_bounds)
-            plan = plan_from_scales(allocation, base, self.adapter.grid, **spec.plan_bounds)
+                (allocation,) = self.planner.fit([allocation], [base], target)
+            plan = self.planner.plan(allocation, base)
             inputs = self.adapter.build_inputs(prompt.state["chat"], prompt.state["video"], plan)
             row_r, row_u, row_b = [], [], []
             for text, ids in self.answers(inputs, n):

@@ -1,0 +1,133 @@
+"""How a plan becomes model inputs, without a model: the part every engine shares.
+
+A plan gives every frame pair its own size. Each pair becomes its own 2-frame video item with
+one `video_grid_thw` row (1, h_k, w_k); the prompt keeps the stock single
+`<|vision_start|> ... <|vision_end|>` block with one `<|video_pad|>` per pair, which the
+processor expands to exactly the plan's tokens. A `QwenLayout` holds the processor and the
+checkpoint's config (no weights): the HF backbone (`qwen.py`) and the vLLM engine
+(`vllm_engine.py`) both build their requests from it.
+
+`Backbone` is what the pipeline needs from an engine.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import numpy as np
+import torch
+from torchvision.transforms import InterpolationMode
+from torchvision.transforms.functional import resize
+from transformers.video_utils import VideoMetadata
+
+from ..budget.plan import QWEN3VL_GRID, QWEN25VL_GRID, ResizePlan, TokenGrid
+from ..video import DecodedVideo
+
+VIDEO_PAD = "<|video_pad|>"
+IMAGE_PAD = "<|image_pad|>"
+VIDEO_TOKEN_TYPE = 2  # mm_token_type_ids: text 0, image 1, video 2
+
+
+def resize_frames(frames: np.ndarray, height: int, width: int) -> torch.Tensor:
+    """Bicubic, antialiased resize of uint8 frames (T, H, W, 3) to (T, 3, height, width) uint8,
+    the interpolation qwen-vl-utils uses when it fetches videos."""
+    video = torch.from_numpy(np.ascontiguousarray(frames)).permute(0, 3, 1, 2)
+    if video.shape[-2:] == (height, width):
+        return video
+    return resize(video, [height, width], interpolation=InterpolationMode.BICUBIC, antialias=True)
+
+
+class QwenLayout:
+    """A Qwen family's input layout: token grid, processor, per-pair metadata and resizing.
+
+    processor: the checkpoint's `AutoProcessor`; config: its model config (for
+    `vision_config`), loadable without weights (`AutoConfig`).
+    """
+
+    family: str
+    grid: TokenGrid
+
+    def __init__(self, processor, config):
+        self.processor = processor
+        self.tokenizer = processor.tokenizer
+        self.config = config
+
+    @property
+    def temporal_patch(self) -> int:
+        return self.processor.video_processor.temporal_patch_size
+
+    def placeholder_id(self, images: bool) -> int:
+        """Token id of one visual placeholder in the prompt: image or video."""
+        return self.processor.image_token_id if images else self.processor.video_token_id
+
+    def video_prompt(self, prompt: str, num_pairs: int) -> str:
+        """Chat text with one `<|video_pad|>` -> one placeholder per pair (the processor expands each)."""
+        if prompt.count(VIDEO_PAD) != 1:
+            raise ValueError(f"the prompt must hold exactly one {VIDEO_PAD}, found {prompt.count(VIDEO_PAD)}")
+        return prompt.replace(VIDEO_PAD, VIDEO_PAD * num_pairs)
+
+    def resized_pairs(self, video: DecodedVideo, plan: ResizePlan) -> list[torch.Tensor]:
+        """Each pair's frames (2, 3, h, w) uint8 at its planned size in pixels."""
+        return [resize_frames(video.frames[list(group)], h, w) for group, (h, w) in zip(plan.pair_frames, plan.pair_sizes)]
+
+    def resized_images(self, images: list[np.ndarray], plans: list[ResizePlan]) -> list[torch.Tensor]:
+        """Each uint8 image (H, W, 3) at its one-pair plan's size, (3, h, w) uint8."""
+        return [resize_frames(image[None], *plan.pair_sizes[0])[0] for image, plan in zip(images, plans)]
+
+    def pair_metadata(self, video: DecodedVideo, plan: ResizePlan) -> list[VideoMetadata]:
+        raise NotImplementedError
+
+
+class Qwen25VLLayout(QwenLayout):
+    family = "qwen25vl"
+    grid = QWEN25VL_GRID
+
+    def pair_metadata(self, video: DecodedVideo, plan: ResizePlan) -> list[VideoMetadata]:
+        """One 2-frame item per pair whose frame rate makes the processor's `second_per_grid_ts`
+        the seconds from this pair's first frame to the next pair's: 2 / sampled_fps for
+        uniformly spaced frames (the stock single-video value); after frame selection, the real
+        gaps (the last pair takes 2 / sampled_fps of the kept frames)."""
+        tail = self.temporal_patch / video.sampled_fps
+        seconds = [(video.indices[group[0]] - video.indices[0]) / video.fps for group in plan.pair_frames]
+        gaps = [b - a for a, b in zip(seconds[:-1], seconds[1:])] + [tail] if not video.uniform else [tail] * len(seconds)
+        return [VideoMetadata(total_num_frames=2, fps=self.temporal_patch / gap, frames_indices=[0, 1]) for gap in gaps]
+
+
+class Qwen3VLLayout(QwenLayout):
+    family = "qwen3vl"
+    grid = QWEN3VL_GRID
+
+    def pair_metadata(self, video: DecodedVideo, plan: ResizePlan) -> list[VideoMetadata]:
+        """Frame indices of the pair in the file, so the processor writes the stock timestamp
+        (mean of the pair's frame times) before each pair."""
+        return [
+            VideoMetadata(total_num_frames=video.total_frames, fps=video.fps, frames_indices=[video.indices[i] for i in group])
+            for group in plan.pair_frames
+        ]
+
+
+LAYOUTS = {layout.family: layout for layout in (Qwen25VLLayout, Qwen3VLLayout)}
+
+
+class Backbone(Protocol):
+    """What `VideoPipeline` needs from an engine (the HF adapter, `VLLMBackbone`).
+
+    layout: its `QwenLayout`; device: where the Allocator runs; compresses_tokens: it can run
+    AFTER_MERGER methods; serves_images: it answers image requests. `build_*` return the engine's
+    request for one sample, from frames already resized by the layout; `generate_batch` answers
+    several with per-request (text, prompt token ids, generated token count).
+    """
+
+    layout: QwenLayout
+    device: torch.device
+    compresses_tokens: bool
+    serves_images: bool
+
+    def build_inputs(self, prompt: str, video: DecodedVideo, plan: ResizePlan, pairs: list[torch.Tensor] | None = None): ...
+
+    def build_image_inputs(self, prompt: str, images: list[np.ndarray], plans: list[ResizePlan], resized: list[torch.Tensor] | None = None): ...
+
+    def build_compressed_inputs(self, prompt: str, video: DecodedVideo, plan: ResizePlan, compress, retention: float, seed: int = 0,
+                                needs_attention: bool = False, pairs: list[torch.Tensor] | None = None): ...  # fmt: skip
+
+    def generate_batch(self, requests: list, gen_kwargs: list[dict]) -> list[tuple[str, list[int], int]]: ...

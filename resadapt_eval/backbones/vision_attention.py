@@ -1,0 +1,45 @@
+"""The attention each merged visual token received in the vision tower's last block.
+
+VisionZip and FlashVid rank tokens by it. The tower runs fused attention kernels, so the
+scores are recomputed eagerly from the last block's captured input: mean over heads and query
+patches, then over the patches of each merge unit.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+
+import torch
+
+
+@contextmanager
+def last_block_input(model):
+    """Capture the input of the last vision block's attention during a forward of `model`
+    (a Qwen VL model): yields a dict filled with module, hidden_states, cu_seqlens and
+    position_embeddings."""
+    captured = {}
+
+    def capture(module, args, kwargs):
+        captured.update(module=module, hidden_states=args[0], cu_seqlens=kwargs["cu_seqlens"], position_embeddings=kwargs["position_embeddings"])
+
+    hook = model.model.visual.blocks[-1].attn.register_forward_pre_hook(capture, with_kwargs=True)
+    try:
+        yield captured
+    finally:
+        hook.remove()
+
+
+def received_attention(captured: dict, vision_rotary, merge_unit: int) -> torch.Tensor:
+    """(N,) attention received per merge unit of `merge_unit` patches, in the block's sequence
+    order, from `last_block_input`'s capture; `vision_rotary` is the tower's rotary function."""
+    attn = captured["module"]
+    hidden, bounds = captured["hidden_states"], captured["cu_seqlens"].tolist()
+    cos, sin = captured["position_embeddings"]
+    length = hidden.shape[0]
+    q, k, _ = attn.qkv(hidden).reshape(length, 3, attn.num_heads, -1).permute(1, 0, 2, 3).unbind(0)
+    q, k = vision_rotary(q, k, cos, sin)
+    received = torch.zeros(length, device=hidden.device)
+    for lo, hi in zip(bounds[:-1], bounds[1:]):
+        scores = torch.einsum("qhd,khd->hqk", q[lo:hi].float(), k[lo:hi].float()) * attn.scaling
+        received[lo:hi] = scores.softmax(dim=-1).mean(dim=(0, 1))
+    return received.reshape(-1, merge_unit).mean(dim=1)

@@ -1,0 +1,70 @@
+"""The planning stage, pure: frames' base size, scales -> resize plans, projection onto a retention.
+
+Shared by the inference pipeline and the CAPO rollout engine, so a training rollout is planned
+exactly as `method=resadapt,retention=R` plans at evaluation.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+
+from .plan import ResizePlan, TokenGrid, base_size, plan_from_scales, project_jointly
+from .policies import BudgetSpec
+from .selection import select_frames
+
+# Base-size bounds in tokens per frame: qwen-vl-utils' video cap (768); its 128-token video floor
+# is not applied, so small videos are not upscaled.
+DEFAULT_MIN_TOKENS_PER_FRAME = 4
+DEFAULT_MAX_TOKENS_PER_FRAME = 768
+
+
+@dataclass(frozen=True)
+class Planner:
+    """grid: the backbone's token grid; spec: the budget knobs; min_pixels / max_pixels: bounds on
+    one frame's base (vanilla) area in pixels (None: 4 and 768 tokens per frame)."""
+
+    grid: TokenGrid
+    spec: BudgetSpec
+    min_pixels: int | None = None
+    max_pixels: int | None = None
+
+    def base_hw(self, frame_hw: tuple[int, int]) -> tuple[int, int]:
+        """Base (vanilla) size in pixels of frames of `frame_hw` pixels."""
+        area = self.grid.token_px**2
+        lo = self.min_pixels if self.min_pixels is not None else DEFAULT_MIN_TOKENS_PER_FRAME * area
+        hi = self.max_pixels if self.max_pixels is not None else DEFAULT_MAX_TOKENS_PER_FRAME * area
+        return base_size(*frame_hw, self.grid, lo, hi)
+
+    def plan(self, scales: Sequence[float], base_hw: tuple[int, int]) -> ResizePlan:
+        """The resize plan of per-frame `scales` (linear, relative to `base_hw`)."""
+        return plan_from_scales(scales, base_hw, self.grid, **self.spec.plan_bounds)
+
+    def vanilla_tokens(self, num_frames: int, base_hw: tuple[int, int]) -> int:
+        """Visual tokens of `num_frames` frames at the base size."""
+        return self.plan(np.ones(num_frames), base_hw).reference_tokens
+
+    def fit(self, scales: Sequence[Sequence[float]], base_hws: Sequence[tuple[int, int]], target: float | None) -> list[np.ndarray]:
+        """An allocation over the items of one request (scales[i] for item i at base_hws[i]):
+        clipped to [s_min, s_max] without a target, else projected jointly onto `target`."""
+        if target is None:
+            return [np.clip(np.asarray(s, dtype=np.float64), self.spec.s_min, self.spec.s_max) for s in scales]
+        return project_jointly(scales, target, base_hws, self.grid, self.spec.s_min, self.spec.s_max, **self.spec.plan_bounds)
+
+    def select(self, raw: np.ndarray, base_hw: tuple[int, int], operator: str, top_k: int | None, threshold: float | None):
+        """Frame selection over candidate frames with the Allocator's scales `raw` (T,): the best
+        (`top_k` and/or scale >= `threshold`) are kept in time order, at the base size
+        (`select`) or at their scales (`select_resize`), projected so the tokens stay within
+        `retention` x the candidates' vanilla tokens. Returns (kept positions, their scales, the
+        candidates' vanilla tokens: the reference R is measured against, as the paper reports it)."""
+        positions = select_frames(raw, top_k, threshold)
+        reference = self.vanilla_tokens(len(raw), base_hw)
+        if operator == "select":
+            return positions, np.ones(len(positions)), reference
+        target = self.spec.retention
+        if target is not None:
+            target = target * reference / self.vanilla_tokens(len(positions), base_hw)
+        (scales,) = self.fit([raw[positions]], [base_hw], target)
+        return positions, scales, reference

@@ -1,0 +1,106 @@
+"""The method registry: every budget method is declared here once, with its properties and its code.
+
+lmms-eval model names (`lmms/manifests.py`), the sweep grid (`sweep.py`), tables and plots
+(`report/`), the CLI defaults and the pipeline's validation all read `METHODS`. Adding a method is
+one module (a scale policy in `budget/policies.py` or a compressor in `baselines/`) plus one
+`register(Method(...))` call below. Registration order is the paper's row order.
+
+Kept free of lmms-eval imports: the `lmms_eval.models` entry point reads this module while
+lmms-eval is still importing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+from .baselines import flashvid, random_drop, tome, visionzip
+from .budget import policies
+
+# Where a method acts on the visual budget.
+BEFORE_ENCODER = "before_encoder"  # resizes frames: fewer pixels enter the vision encoder
+AFTER_MERGER = "after_merger"  # encodes the vanilla plan, then drops/merges tokens before the LLM
+INSIDE_LLM = "inside_llm"  # prunes visual tokens between decoder layers
+STAGES = (BEFORE_ENCODER, AFTER_MERGER, INSIDE_LLM)
+
+# What `retention=` means to a method.
+NO_RETENTION = "none"  # the method has no target (vanilla): a retention is an error
+OPTIONAL_RETENTION = "optional"  # without a target the method picks its own budget (resadapt)
+REQUIRED_RETENTION = "required"
+RETENTION_RULES = (NO_RETENTION, OPTIONAL_RETENTION, REQUIRED_RETENTION)
+
+
+@dataclass(frozen=True)
+class Method:
+    """One budget method.
+
+    name: the `method=` value and the stem of its lmms-eval model names (`<name>_<backbone>`);
+    aliases: older model-name stems that still resolve; display_name: its row and legend label;
+    class_stem: the stem of its lmms-eval class names (`<class_stem>Qwen25VL`); stage: where it
+    acts (BEFORE_ENCODER, AFTER_MERGER, INSIDE_LLM); retention: NO/OPTIONAL/REQUIRED_RETENTION;
+    needs_allocator: its scales come from the Allocator (`allocator=`, frame selection);
+    needs_attention: its compressor reads the attention received in the last ViT block;
+    vllm: the vLLM engine can run it; images: it serves image requests.
+    policy: per-frame scales `(num_frames, base_hw, grid, spec) -> (T,)` for methods that do not
+    use the Allocator; compress: `(VisualTokens, keep, seed) -> assignment` for AFTER_MERGER methods.
+    """
+
+    name: str
+    display_name: str
+    class_stem: str
+    stage: str
+    retention: str
+    needs_allocator: bool = False
+    needs_attention: bool = False
+    vllm: bool = False
+    images: bool = False
+    policy: Callable | None = None
+    compress: Callable | None = None
+    aliases: tuple[str, ...] = ()
+
+    def __post_init__(self):
+        if self.stage not in STAGES:
+            raise ValueError(f"{self.name}: stage must be one of {STAGES}, got {self.stage!r}")
+        if self.retention not in RETENTION_RULES:
+            raise ValueError(f"{self.name}: retention must be one of {RETENTION_RULES}, got {self.retention!r}")
+        if (self.compress is not None) != (self.stage == AFTER_MERGER):
+            raise ValueError(f"{self.name}: a compressor is what an {AFTER_MERGER} method runs, and only it")
+        if (self.policy is None) != self.needs_allocator:
+            raise ValueError(f"{self.name}: give a scale policy, or take the scales from the Allocator")
+
+    def model_names(self, backbone: str) -> list[str]:
+        """lmms-eval model names of this method on `backbone`, the primary name first."""
+        return [f"{stem}_{backbone}" for stem in (self.name, *self.aliases)]
+
+
+METHODS: dict[str, Method] = {}
+
+
+def register(method: Method) -> Method:
+    """Add `method` to the registry (after the methods already there)."""
+    if method.name in METHODS:
+        raise ValueError(f"method {method.name!r} is already registered")
+    METHODS[method.name] = method
+    return method
+
+
+def get_method(name: str) -> Method:
+    """The registered method called `name`; an unknown name is an error listing the known ones."""
+    if name not in METHODS:
+        raise ValueError(f"unknown method {name!r}; known methods: {', '.join(METHODS)}")
+    return METHODS[name]
+
+
+def _compressor(name: str, display_name: str, class_stem: str, module, needs_attention: bool = False) -> Method:
+    return Method(name, display_name, class_stem, AFTER_MERGER, REQUIRED_RETENTION, compress=module.compress,
+                  policy=policies.vanilla, needs_attention=needs_attention)  # fmt: skip
+
+
+register(Method("vanilla", "Vanilla", "Vanilla", BEFORE_ENCODER, NO_RETENTION, policy=policies.vanilla, vllm=True, images=True))
+register(_compressor("random_drop", "Random Drop", "RandomDrop", random_drop))
+register(_compressor("tome", "ToMe", "ToMe", tome))
+register(_compressor("visionzip", "VisionZip", "VisionZip", visionzip, needs_attention=True))
+register(_compressor("flashvid", "FlashVid", "FlashVid", flashvid, needs_attention=True))
+register(Method("fixed_scale", "FixedScale", "FixedScale", BEFORE_ENCODER, REQUIRED_RETENTION, policy=policies.fixed_scale,
+                vllm=True, images=True, aliases=("fixedscale",)))  # fmt: skip
+register(Method("resadapt", "ResAdapt", "ResAdapt", BEFORE_ENCODER, OPTIONAL_RETENTION, needs_allocator=True, vllm=True, images=True))

@@ -1,0 +1,84 @@
+"""The request flow: multi-image Allocator requests, the error convention, batches of one and many."""
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from resadapt_eval.budget.policies import BudgetSpec
+from resadapt_eval.pipeline import Request, VideoPipeline, VideoPipelineConfig
+from resadapt_eval.video import VideoDecodeError
+
+
+def image_prompt(adapter, n: int) -> str:
+    content = [{"type": "image"}] * n + [{"type": "text", "text": "Which image shows a square?"}]
+    return adapter.processor.apply_chat_template([{"role": "user", "content": content}], tokenize=False, add_generation_prompt=True)
+
+
+def three_images() -> tuple:
+    rng = np.random.default_rng(0)
+    smooth = np.full((240, 320, 3), 120, dtype=np.uint8)
+    noise = rng.integers(0, 256, (200, 200, 3), dtype=np.uint8)
+    square = np.zeros((180, 300, 3), dtype=np.uint8)
+    square[40:140, 100:200] = 255
+    return tuple(Image.fromarray(a) for a in (smooth, noise, square))
+
+
+@pytest.mark.parametrize("backbone", ["qwen25vl", "qwen3vl"])
+def test_the_images_of_a_request_are_scored_together_and_projected_jointly(adapters, backbone):
+    adapter = adapters[backbone]
+    images = three_images()
+    request = Request(image_prompt(adapter, 3), images=images, query="Which image shows a square?", gen_kwargs=dict(max_new_tokens=2))
+    free = VideoPipeline(adapter, VideoPipelineConfig(method="resadapt", allocator="builtin"))
+    _, record = free.run(request)
+    assert record.error is None
+    # one Allocator call over the three images as one sequence: three different scales
+    arrays = [np.asarray(im) for im in images]
+    (raw,), _ = free.allocator.raw_scales_batch([[a[None] for a in arrays]], [request.query])
+    assert record.raw_scales == [round(float(s), 6) for s in raw]
+    assert len(set(record.scales)) == 3
+    np.testing.assert_allclose(record.scales, np.clip(raw, 0.2, 1.8), atol=1e-6)
+
+    projected = VideoPipeline(adapter, VideoPipelineConfig(method="resadapt", allocator="builtin", budget=BudgetSpec(retention=0.25)))
+    _, record = projected.run(request)
+    assert record.error is None
+    vanilla = VideoPipeline(adapter, VideoPipelineConfig(method="vanilla"))
+    _, reference = vanilla.run(request)
+    assert record.reference_tokens == reference.visual_tokens == reference.reference_tokens
+    assert record.visual_tokens <= 0.25 * reference.visual_tokens
+    assert record.achieved_retention == pytest.approx(record.visual_tokens / reference.visual_tokens)
+    # the request's budget, not each image's: one global factor keeps the Allocator's allocation
+    scales = np.array(record.scales)
+    free_of_bounds = (scales > 0.2 + 1e-9) & (scales < 1.8 - 1e-9)
+    ratios = scales[free_of_bounds] / raw[free_of_bounds]
+    assert free_of_bounds.sum() >= 2 and np.allclose(ratios, ratios[0], rtol=1e-5)
+
+
+def test_a_failed_sample_keeps_its_exception_and_strict_raises_the_original(adapters, fixtures_dir, tmp_path):
+    adapter = adapters["qwen25vl"]
+    prompt = adapter.processor.apply_chat_template([{"role": "user", "content": [{"type": "video"}, {"type": "text", "text": "Colour?"}]}],
+                                                   tokenize=False, add_generation_prompt=True)  # fmt: skip
+    good = str(sorted((fixtures_dir / "smoke_videoqa" / "videos").glob("*.mp4"))[0])
+    requests = [Request(prompt, video=str(tmp_path / "missing.mp4"), doc_id=0), Request(prompt, video=good, gen_kwargs=dict(max_new_tokens=2), doc_id=1)]
+    config = dict(method="fixed_scale", max_num_frames=8, budget=BudgetSpec(retention=0.25))
+    (text0, missing), (_, done) = VideoPipeline(adapter, VideoPipelineConfig(**config)).run_batch(requests)
+    assert text0 == "" and missing.error.startswith("VideoDecodeError: video not found") and "missing.mp4" in missing.error
+    assert missing.video.endswith("missing.mp4") and missing.target_retention == 0.25 and missing.visual_tokens == 0
+    assert done.error is None and done.doc_id == 1 and 0.20 <= done.achieved_retention <= 0.25
+    with pytest.raises(VideoDecodeError, match="missing.mp4"):
+        VideoPipeline(adapter, VideoPipelineConfig(**config, strict=True)).run_batch(requests)
+
+
+def test_a_batch_answers_as_its_requests_do_one_at_a_time(adapters, fixtures_dir):
+    adapter = adapters["qwen3vl"]
+    prompt = adapter.processor.apply_chat_template([{"role": "user", "content": [{"type": "video"}, {"type": "text", "text": "Colour?"}]}],
+                                                   tokenize=False, add_generation_prompt=True)  # fmt: skip
+    videos = sorted((fixtures_dir / "smoke_videoqa" / "videos").glob("*.mp4"))[:3]
+    requests = [Request(prompt, video=str(v), query=q, gen_kwargs=dict(max_new_tokens=3), doc_id=i)
+                for i, (v, q) in enumerate(zip(videos, ["Colour?", "Where is the square?", "How many?"]))]  # fmt: skip
+    pipeline = VideoPipeline(adapter, VideoPipelineConfig(method="resadapt", allocator="builtin", max_num_frames=8, budget=BudgetSpec(retention=0.5)))
+    together = pipeline.run_batch(requests)
+    for request, (text, record) in zip(requests, together):
+        alone_text, alone = pipeline.run(request)
+        assert text == alone_text
+        np.testing.assert_allclose(record.raw_scales, alone.raw_scales, atol=1e-5)
+        assert (record.grids, record.visual_tokens) == (alone.grids, alone.visual_tokens)
