@@ -57,7 +57,9 @@ def main() -> None:
     for T in args.frames:
         request = Request(prompt, video=str(video_path), query=query)
         config = dict(max_num_frames=T)
-        resadapt = VideoPipeline(adapter, VideoPipelineConfig(method="resadapt", allocator="builtin", budget=spec, **config))
+        resadapt = VideoPipeline(
+            adapter, VideoPipelineConfig(method="resadapt", allocator="builtin", budget=spec, **config)
+        )
         vanilla = VideoPipeline(adapter, VideoPipelineConfig(method="vanilla", **config))
         decoded = resadapt.decode(request)
         stage = {}
@@ -66,8 +68,14 @@ def main() -> None:
             (scores,) = resadapt.score([request], {0: decoded}, {}).values()
             planned = resadapt.plan(decoded, scores)
             built = resadapt.build(request, decoded, planned)
-            stage.update(allocator_text_s=scores.text_s, allocator_visual_s=scores.visual_s, scale_apply_s=built.resize_s,
-                         allocator_predict_s=scores.predict_s + planned.projection_s, plan=planned.plans[0], inputs=built.request)  # fmt: skip
+            stage.update(
+                allocator_text_s=scores.text_s,
+                allocator_visual_s=scores.visual_s,
+                scale_apply_s=built.resize_s,
+                allocator_predict_s=scores.predict_s + planned.projection_s,
+                plan=planned.plans[0],
+                inputs=built.request,
+            )
 
         alloc_s = median_seconds(allocate, args.repeats)
         (vanilla_scores,) = vanilla.score([request], {0: decoded}, {}).values()

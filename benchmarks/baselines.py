@@ -17,10 +17,10 @@ import torch
 from timing import median_seconds
 
 from resadapt_eval.backbones.qwen import ADAPTERS
-from resadapt_eval.methods import AFTER_MERGER, METHODS
 from resadapt_eval.budget.plan import base_size, plan_from_scales
 from resadapt_eval.budget.policies import BudgetSpec, fixed_scale
 from resadapt_eval.fixtures import ensure_fixtures
+from resadapt_eval.methods import AFTER_MERGER, METHODS
 from resadapt_eval.video import decode_video
 
 REPO = Path(__file__).resolve().parents[1]

@@ -76,8 +76,12 @@ def main() -> None:
                         raise RuntimeError(record.error)
 
             hf_s = median_seconds(lambda: [check(hf.run_batch([job(v)])) for v in videos], args.repeats) / len(videos)
-            one_s = median_seconds(lambda: [check(vllm.run_batch([job(v)])) for v in videos], args.repeats) / len(videos)
-            batch_s = median_seconds(lambda: check(vllm.run_batch([job(v) for v in videos])), args.repeats) / len(videos)
+            one_s = median_seconds(lambda: [check(vllm.run_batch([job(v)])) for v in videos], args.repeats) / len(
+                videos
+            )
+            batch_s = median_seconds(lambda: check(vllm.run_batch([job(v) for v in videos])), args.repeats) / len(
+                videos
+            )
             print(
                 f"{family:<9} {method:<12} {hf_s:>9.3f} {one_s:>10.3f} {one_s / hf_s:>8.2f} "
                 f"{batch_s:>18.3f} {batch_s / hf_s:>10.2f}"

@@ -1,4 +1,5 @@
-"""`resadapt-eval` command line: fixtures | demo | sweep | tables | plots | train | needle (make-data | train-backbone | train-allocator | report)."""
+"""`resadapt-eval` command line: fixtures | demo | sweep | tables | plots | train |
+needle (make-data | train-backbone | train-allocator | report)."""
 
 from __future__ import annotations
 
@@ -73,11 +74,24 @@ def cmd_demo(args) -> int:
     out = Path(args.out).resolve()
     card = str(root / "model_cards" / "needle-qwen25vl.yaml")
     common = argparse.Namespace(run_dir=str(out), out=None, paper=False, paper_dir=str(root / "results" / "paper"))
-    status = cmd_sweep(argparse.Namespace(card=card, methods=args.methods, retention=args.retention, frames=None, tasks=None, output=str(out), launcher=None, limit=args.limit))
+    status = cmd_sweep(
+        argparse.Namespace(
+            card=card,
+            methods=args.methods,
+            retention=args.retention,
+            frames=None,
+            tasks=None,
+            output=str(out),
+            launcher=None,
+            limit=args.limit,
+        )
+    )
     cmd_tables(common)
     cmd_plots(common)
     cmd_needle_report(argparse.Namespace(run_dir=str(out), data=str(data), out=None))
-    print(f"Needle benchmark on the first {args.limit} cued test videos (full benchmark: README, 'The needle benchmark').")
+    print(
+        f"Needle benchmark on the first {args.limit} cued test videos (full benchmark: README, 'The needle benchmark')."
+    )
     print(f"Outputs: {out} (cells with lmms-eval results and resadapt sidecars, tables/, plots/, needle/)")
     return status
 
@@ -90,7 +104,10 @@ def cmd_train(args) -> int:
     checkpoint = trainer.output_dir / "checkpoints" / f"step-{trainer.step:06d}" / "allocator"
     if history:
         last = history[-1]
-        print(f"step {last['step']}: mean scale {last['mean_scale']:.3f}, R {last['achieved_retention']:.3f}, reward {last['reward']:.3f}, accuracy {last['accuracy']:.3f}")
+        print(
+            f"step {last['step']}: mean scale {last['mean_scale']:.3f}, R {last['achieved_retention']:.3f}, "
+            f"reward {last['reward']:.3f}, accuracy {last['accuracy']:.3f}"
+        )
     print(f"checkpoint: {checkpoint}  (use: method=resadapt,allocator={checkpoint})")
     print(f"metrics: {trainer.output_dir / 'metrics.jsonl'}")
     return 0
@@ -99,7 +116,15 @@ def cmd_train(args) -> int:
 def cmd_needle_make_data(args) -> int:
     from .needle.data import make_data
 
-    for split, path in make_data(args.out, train=args.train, val=args.val, test=args.test, seed=args.seed, cue=args.cue, evidence_pairs=args.evidence_pairs).items():
+    for split, path in make_data(
+        args.out,
+        train=args.train,
+        val=args.val,
+        test=args.test,
+        seed=args.seed,
+        cue=args.cue,
+        evidence_pairs=args.evidence_pairs,
+    ).items():
         print(f"{split}: {path}")
     return 0
 
@@ -107,7 +132,16 @@ def cmd_needle_make_data(args) -> int:
 def cmd_needle_train_backbone(args) -> int:
     from .needle.train_backbone import train_backbone
 
-    out = train_backbone(args.out, stage1_steps=args.stage1_steps, stage2_steps=args.stage2_steps, batch=args.batch, seed=args.seed, init=args.init, lr=args.lr, cue_fraction=args.cue_fraction)
+    out = train_backbone(
+        args.out,
+        stage1_steps=args.stage1_steps,
+        stage2_steps=args.stage2_steps,
+        batch=args.batch,
+        seed=args.seed,
+        init=args.init,
+        lr=args.lr,
+        cue_fraction=args.cue_fraction,
+    )
     print(f"needle backbone: {out}")
     return 0
 
@@ -146,10 +180,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repo", default=".", help="repository root (holds model_cards/, tasks/, fixtures/)")
     p.add_argument("--methods", default=ALL_METHODS, help="comma-separated methods")
     p.add_argument("--retention", default="0.25", help="comma-separated target retentions")
-    p.add_argument("--limit", type=int, default=100, help="needle test videos per cell (written to fixtures/needle if missing)")
+    p.add_argument(
+        "--limit", type=int, default=100, help="needle test videos per cell (written to fixtures/needle if missing)"
+    )
     p.set_defaults(func=cmd_demo)
 
-    p = sub.add_parser("sweep", help="run a (method x retention x frames) grid through lmms-eval, one process per cell, resumable")
+    p = sub.add_parser(
+        "sweep", help="run a (method x retention x frames) grid through lmms-eval, one process per cell, resumable"
+    )
     p.add_argument("--card", required=True, help="model card YAML (model_cards/)")
     p.add_argument("--methods", default=ALL_METHODS, help="comma-separated methods")
     p.add_argument("--retention", default="0.25,0.1", help="comma-separated target retentions")
@@ -160,13 +198,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--limit", type=int, default=None, help="lmms-eval --limit (samples per task; for testing)")
     p.set_defaults(func=cmd_sweep)
 
-    for name, func, help_text in (("tables", cmd_tables, "the paper's tables (md, tex, csv) from a run directory"),
-                                  ("plots", cmd_plots, "Pareto frontiers and scale plots (png, pdf) from a run directory")):  # fmt: skip
+    for name, func, help_text in (
+        ("tables", cmd_tables, "the paper's tables (md, tex, csv) from a run directory"),
+        ("plots", cmd_plots, "Pareto frontiers and scale plots (png, pdf) from a run directory"),
+    ):
         p = sub.add_parser(name, help=help_text)
         p.add_argument("run_dir")
         p.add_argument("--out", default=None, help=f"output folder (default: RUN_DIR/{name})")
         if name == "tables":
-            p.add_argument("--paper", action="store_true", help="add the paper's numbers and deltas (results/paper/*.csv)")
+            p.add_argument(
+                "--paper", action="store_true", help="add the paper's numbers and deltas (results/paper/*.csv)"
+            )
             p.add_argument("--paper-dir", default=str(Path(__file__).resolve().parents[1] / "results" / "paper"))
         p.set_defaults(func=func)
 
@@ -178,32 +220,61 @@ def main(argv: list[str] | None = None) -> int:
 
     needle = sub.add_parser("needle", help="the needle benchmark").add_subparsers(dest="needle_command", required=True)
     p = needle.add_parser("make-data", help="write seeded train/val/test needle videos and JSONL")
-    p.add_argument("--out", default="fixtures/needle", help="output folder (default: fixtures/needle, which the resadapt_needle task reads)")
+    p.add_argument(
+        "--out",
+        default="fixtures/needle",
+        help="output folder (default: fixtures/needle, which the resadapt_needle task reads)",
+    )
     p.add_argument("--train", type=int, default=2000)
     p.add_argument("--val", type=int, default=200)
     p.add_argument("--test", type=int, default=400)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--cue", action="store_true", help="add a coarse bright border to the evidence frames")
-    p.add_argument("--evidence-pairs", type=int, default=EVIDENCE_PAIRS, help=f"the evidence pair is drawn from the first N of the 8 pairs (default {EVIDENCE_PAIRS}: the first half; 8: anywhere)")
+    p.add_argument(
+        "--evidence-pairs",
+        type=int,
+        default=EVIDENCE_PAIRS,
+        help=f"the evidence pair is drawn from the first N of the 8 pairs "
+        f"(default {EVIDENCE_PAIRS}: the first half; 8: anywhere)",
+    )
     p.set_defaults(func=cmd_needle_make_data)
-    p = needle.add_parser("train-backbone", help="train the tiny Qwen2.5-VL-architecture needle backbone (two stages, CPU)")
+    p = needle.add_parser(
+        "train-backbone", help="train the tiny Qwen2.5-VL-architecture needle backbone (two stages, CPU)"
+    )
     p.add_argument("--out", default="results/needle/backbone-qwen25vl")
     p.add_argument("--stage1-steps", type=int, default=500)
     p.add_argument("--stage2-steps", type=int, default=700)
-    p.add_argument("--batch", type=int, default=16, help="stage-1 pairs per step (stage 2 uses half, one sample at a time)")
+    p.add_argument(
+        "--batch", type=int, default=16, help="stage-1 pairs per step (stage 2 uses half, one sample at a time)"
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--init", default=None, help="continue training this backbone folder (use --stage1-steps 0)")
     p.add_argument("--lr", type=float, default=1e-3, help="stage-2 learning rate (vision x0.2)")
-    p.add_argument("--cue-fraction", type=float, default=0.0, help="share of training videos with the --cue border on their evidence frames")
+    p.add_argument(
+        "--cue-fraction",
+        type=float,
+        default=0.0,
+        help="share of training videos with the --cue border on their evidence frames",
+    )
     p.set_defaults(func=cmd_needle_train_backbone)
     p = needle.add_parser("train-allocator", help="CAPO-train the Allocator on the frozen needle backbone (CPU)")
-    p.add_argument("--config", default="configs/needle_allocator.yaml", help="training YAML (the `resadapt-eval train` layout)")
-    p.add_argument("--out", default="results/needle/allocator-qwen25vl", help="folder for the final Allocator checkpoint")
+    p.add_argument(
+        "--config", default="configs/needle_allocator.yaml", help="training YAML (the `resadapt-eval train` layout)"
+    )
+    p.add_argument(
+        "--out", default="results/needle/allocator-qwen25vl", help="folder for the final Allocator checkpoint"
+    )
     p.add_argument("--steps", type=int, default=None, help="override train.steps")
     p.set_defaults(func=cmd_needle_train_allocator)
-    p = needle.add_parser("report", help="accuracy with standard errors and the evidence-pair fraction per cell of a needle sweep, and evidence plots")
+    p = needle.add_parser(
+        "report",
+        help="accuracy with standard errors and the evidence-pair fraction per cell of a needle sweep, "
+        "and evidence plots",
+    )
     p.add_argument("run_dir")
-    p.add_argument("--data", default="fixtures/needle/test.jsonl", help="the needle rows the sweep read (for evidence_pair)")
+    p.add_argument(
+        "--data", default="fixtures/needle/test.jsonl", help="the needle rows the sweep read (for evidence_pair)"
+    )
     p.add_argument("--out", default=None, help="output folder (default: RUN_DIR/needle)")
     p.set_defaults(func=cmd_needle_report)
 

@@ -92,15 +92,49 @@ def get_method(name: str) -> Method:
 
 
 def _compressor(name: str, display_name: str, class_stem: str, module, needs_attention: bool = False) -> Method:
-    return Method(name, display_name, class_stem, AFTER_MERGER, REQUIRED_RETENTION, compress=module.compress,
-                  policy=policies.vanilla, needs_attention=needs_attention)  # fmt: skip
+    return Method(
+        name,
+        display_name,
+        class_stem,
+        AFTER_MERGER,
+        REQUIRED_RETENTION,
+        compress=module.compress,
+        policy=policies.vanilla,
+        needs_attention=needs_attention,
+    )
 
 
-register(Method("vanilla", "Vanilla", "Vanilla", BEFORE_ENCODER, NO_RETENTION, policy=policies.vanilla, vllm=True, images=True))
+register(
+    Method(
+        "vanilla", "Vanilla", "Vanilla", BEFORE_ENCODER, NO_RETENTION, policy=policies.vanilla, vllm=True, images=True
+    )
+)
 register(_compressor("random_drop", "Random Drop", "RandomDrop", random_drop))
 register(_compressor("tome", "ToMe", "ToMe", tome))
 register(_compressor("visionzip", "VisionZip", "VisionZip", visionzip, needs_attention=True))
 register(_compressor("flashvid", "FlashVid", "FlashVid", flashvid, needs_attention=True))
-register(Method("fixed_scale", "FixedScale", "FixedScale", BEFORE_ENCODER, REQUIRED_RETENTION, policy=policies.fixed_scale,
-                vllm=True, images=True, aliases=("fixedscale",)))  # fmt: skip
-register(Method("resadapt", "ResAdapt", "ResAdapt", BEFORE_ENCODER, OPTIONAL_RETENTION, needs_allocator=True, vllm=True, images=True))
+register(
+    Method(
+        "fixed_scale",
+        "FixedScale",
+        "FixedScale",
+        BEFORE_ENCODER,
+        REQUIRED_RETENTION,
+        policy=policies.fixed_scale,
+        vllm=True,
+        images=True,
+        aliases=("fixedscale",),
+    )
+)
+register(
+    Method(
+        "resadapt",
+        "ResAdapt",
+        "ResAdapt",
+        BEFORE_ENCODER,
+        OPTIONAL_RETENTION,
+        needs_allocator=True,
+        vllm=True,
+        images=True,
+    )
+)

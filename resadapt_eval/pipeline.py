@@ -52,7 +52,9 @@ class VideoPipelineConfig:
         if self.operator not in OPERATORS:
             raise ValueError(f"operator must be one of {OPERATORS}, got {self.operator!r}")
         if self.operator != "resize" and not method.needs_allocator:
-            raise ValueError(f"operator={self.operator} ranks frames by the Allocator's scales: it needs method=resadapt")
+            raise ValueError(
+                f"operator={self.operator} ranks frames by the Allocator's scales: it needs method=resadapt"
+            )
         if self.allocator is not None and not method.needs_allocator:
             raise ValueError(f"allocator= is only used by method=resadapt, not {self.method!r}")
         if method.retention == REQUIRED_RETENTION and self.budget.retention is None:
@@ -136,8 +138,10 @@ class VideoPipeline:
     def __init__(self, backbone: Backbone, config: VideoPipelineConfig):
         self.backbone, self.config, self.method = backbone, config, get_method(config.method)
         if self.method.compress is not None and not backbone.compresses_tokens:
-            raise ValueError(f"method={config.method} compresses visual tokens inside the model, which {type(backbone).__name__} "
-                             "does not expose: run it on the HF path")  # fmt: skip
+            raise ValueError(
+                f"method={config.method} compresses visual tokens inside the model, which {type(backbone).__name__} "
+                "does not expose: run it on the HF path"
+            )
         self.layout = backbone.layout
         self.planner = Planner(self.layout.grid, config.budget, config.min_pixels, config.max_pixels)
         self.allocator = None
@@ -145,7 +149,9 @@ class VideoPipeline:
             from .allocator import AllocatorPolicy, load_allocator
 
             allocator = load_allocator(config.allocator, device=backbone.device)
-            self.allocator = AllocatorPolicy(allocator, config.allocator_inference, config.allocator_quantile, config.allocator_seed)
+            self.allocator = AllocatorPolicy(
+                allocator, config.allocator_inference, config.allocator_quantile, config.allocator_seed
+            )
 
     def run(self, request: Request) -> tuple[str, SampleRecord]:
         """Answer one request (a batch of one)."""
@@ -195,10 +201,17 @@ class VideoPipeline:
                 raise ValueError("a request needs a video or at least one image")
             if not self.method.images or self.config.operator != "resize":
                 takes = ", ".join(name for name, method in METHODS.items() if method.images)
-                raise ValueError(f"method={self.config.method}, operator={self.config.operator} works on videos only; images take {takes}")
+                raise ValueError(
+                    f"method={self.config.method}, operator={self.config.operator} works on videos only; "
+                    f"images take {takes}"
+                )
             if not self.backbone.serves_images:
-                raise ValueError(f"{type(self.backbone).__name__} answers video requests; image suites run on the HF classes")
-            frames = [np.array(im.convert("RGB") if hasattr(im, "convert") else im, dtype=np.uint8) for im in request.images]
+                raise ValueError(
+                    f"{type(self.backbone).__name__} answers video requests; image suites run on the HF classes"
+                )
+            frames = [
+                np.array(im.convert("RGB") if hasattr(im, "convert") else im, dtype=np.uint8) for im in request.images
+            ]
             items = tuple(DecodedVideo(frames=f[None], indices=[0], total_frames=1, fps=1.0) for f in frames)
         return Decoded(items=items, images=request.video is None, seconds=time.perf_counter() - t0)
 
@@ -217,7 +230,9 @@ class VideoPipeline:
         for i, scales in zip(alive, raw):
             lengths = [len(item.indices) for item in decoded[i].items]
             per_item = tuple(np.split(scales, np.cumsum(lengths)[:-1]))
-            out[i] = Scores(per_item, seconds["allocator_text_s"], seconds["allocator_visual_s"], seconds["allocator_predict_s"])
+            out[i] = Scores(
+                per_item, seconds["allocator_text_s"], seconds["allocator_visual_s"], seconds["allocator_predict_s"]
+            )
         return out
 
     def _fail_together(self, alive: list[int], exc: Exception, failed: dict) -> dict:
@@ -239,11 +254,19 @@ class VideoPipeline:
                 scales = self.planner.fit(scores.raw, base_hws, self.config.budget.retention)
             else:
                 cfg, candidates = self.config, len(items[0].indices)
-                positions, kept_scales, reference = self.planner.select(scores.raw[0], base_hws[0], cfg.operator, cfg.top_k, cfg.score_threshold)
+                positions, kept_scales, reference = self.planner.select(
+                    scores.raw[0], base_hws[0], cfg.operator, cfg.top_k, cfg.score_threshold
+                )
                 items, scales = (items[0].subset(positions),), [kept_scales]
             projection_s = time.perf_counter() - t1
         else:
-            scales, projection_s = [self.method.policy(len(item.indices), hw, self.layout.grid, self.config.budget) for item, hw in zip(items, base_hws)], 0.0
+            scales, projection_s = (
+                [
+                    self.method.policy(len(item.indices), hw, self.layout.grid, self.config.budget)
+                    for item, hw in zip(items, base_hws)
+                ],
+                0.0,
+            )
         plans = tuple(self.planner.plan(s, hw) for s, hw in zip(scales, base_hws))
         if candidates is None:
             reference = sum(p.reference_tokens for p in plans)
@@ -268,9 +291,15 @@ class VideoPipeline:
                 payload, visual = self.backbone.build_inputs(request.prompt, video, plan, pairs), plan.visual_tokens
             else:
                 payload, sizes = self.backbone.build_compressed_inputs(
-                    request.prompt, video, plan, self.method.compress, self.config.budget.retention,
-                    seed=self.config.compression_seed, needs_attention=self.method.needs_attention, pairs=pairs,
-                )  # fmt: skip
+                    request.prompt,
+                    video,
+                    plan,
+                    self.method.compress,
+                    self.config.budget.retention,
+                    seed=self.config.compression_seed,
+                    needs_attention=self.method.needs_attention,
+                    pairs=pairs,
+                )
                 merged = tuple(sizes.tolist())
                 visual = len(merged)
         return Built(payload, visual, merged, resize_s, time.perf_counter() - t0)
@@ -283,7 +312,9 @@ class VideoPipeline:
             return {}
         t0 = time.perf_counter()
         try:
-            outputs = self.backbone.generate_batch([built[i].request for i in alive], [requests[i].gen_kwargs for i in alive])
+            outputs = self.backbone.generate_batch(
+                [built[i].request for i in alive], [requests[i].gen_kwargs for i in alive]
+            )
         except Exception as exc:
             return self._fail_together(alive, exc, failed)
         share = (time.perf_counter() - t0) / len(alive)
@@ -292,23 +323,42 @@ class VideoPipeline:
             out[i] = Generated(text, tuple(prompt_ids), n_out, share)
             counted = out[i].prompt_ids.count(self.layout.placeholder_id(not requests[i].video))
             if counted != built[i].visual_tokens:
-                exc = RuntimeError(f"the engine's prompt holds {counted} visual placeholders, the plan counts {built[i].visual_tokens}")
+                exc = RuntimeError(
+                    f"the engine's prompt holds {counted} visual placeholders, the plan counts {built[i].visual_tokens}"
+                )
                 if self.config.strict:
                     raise exc
                 failed[i] = exc
         return out
 
     # ------------------------------------------------------------------ the record
-    def record(self, request: Request, decoded: Decoded | None, scores: Scores | None, planned: Planned | None,
-               built: Built | None, generated: Generated | None, error: Exception | None) -> SampleRecord:  # fmt: skip
+    def record(
+        self,
+        request: Request,
+        decoded: Decoded | None,
+        scores: Scores | None,
+        planned: Planned | None,
+        built: Built | None,
+        generated: Generated | None,
+        error: Exception | None,
+    ) -> SampleRecord:
         """The sidecar record of one sample, from the stages it completed."""
-        record = SampleRecord(doc_id=request.doc_id, task=request.task, method=self.config.method,
-                              video=None if request.video is None else str(request.video),
-                              target_retention=self.config.budget.retention, error=error_text(error) if error else None)  # fmt: skip
+        record = SampleRecord(
+            doc_id=request.doc_id,
+            task=request.task,
+            method=self.config.method,
+            video=None if request.video is None else str(request.video),
+            target_retention=self.config.budget.retention,
+            error=error_text(error) if error else None,
+        )
         if decoded is not None:
             record.decode_s = decoded.seconds
         if scores is not None:
-            record.allocator_text_s, record.allocator_visual_s, record.allocator_predict_s = scores.text_s, scores.visual_s, scores.predict_s
+            record.allocator_text_s, record.allocator_visual_s, record.allocator_predict_s = (
+                scores.text_s,
+                scores.visual_s,
+                scores.predict_s,
+            )
             if scores.raw is not None:
                 record.raw_scales = [round(float(s), 6) for item in scores.raw for s in item]
         if planned is not None:
@@ -332,7 +382,13 @@ class VideoPipeline:
             record.visual_tokens = generated.prompt_ids.count(self.layout.placeholder_id(decoded.images))
             record.achieved_retention = record.visual_tokens / record.reference_tokens
             # full-resolution frames: a video frame is half a pair at the base size, an image a whole one
-            frame_tokens = [grid.tokens(*p.base_hw) / (1 if decoded.images else grid.temporal_patch) for p in planned.plans]
+            frame_tokens = [
+                grid.tokens(*p.base_hw) / (1 if decoded.images else grid.temporal_patch) for p in planned.plans
+            ]
             record.frame_budget = record.visual_tokens / sum(frame_tokens) * len(frame_tokens)
-            record.input_tokens, record.output_tokens, record.generate_s = len(generated.prompt_ids), generated.output_tokens, generated.seconds
+            record.input_tokens, record.output_tokens, record.generate_s = (
+                len(generated.prompt_ids),
+                generated.output_tokens,
+                generated.seconds,
+            )
         return record

@@ -108,7 +108,9 @@ def plan_cells(methods: list[str], retentions: list[float], frames: list[int]) -
     return cells
 
 
-def cell_command(card: ModelCard, cell: Cell, tasks: list[str], out: Path, launcher: str | None = None, limit: int | None = None) -> list[str]:
+def cell_command(
+    card: ModelCard, cell: Cell, tasks: list[str], out: Path, launcher: str | None = None, limit: int | None = None
+) -> list[str]:
     """The lmms-eval command line of one cell (under `launcher`, e.g. `accelerate launch --num_processes 8`)."""
     model = get_method(cell.method).model_names(card.backbone)[0]
     args = dict(pretrained=card.pretrained, method=cell.method, max_num_frames=cell.frames, **card.model_args)
@@ -117,8 +119,20 @@ def cell_command(card: ModelCard, cell: Cell, tasks: list[str], out: Path, launc
     if get_method(cell.method).needs_allocator and card.allocator:
         args["allocator"] = card.allocator
     runner = shlex.split(launcher) if launcher else [sys.executable]
-    cmd = [*runner, "-m", "lmms_eval", "--model", model, "--model_args", ",".join(f"{k}={v}" for k, v in args.items() if v is not None),
-           "--tasks", ",".join(tasks), "--output_path", str(out), "--log_samples"]  # fmt: skip
+    cmd = [
+        *runner,
+        "-m",
+        "lmms_eval",
+        "--model",
+        model,
+        "--model_args",
+        ",".join(f"{k}={v}" for k, v in args.items() if v is not None),
+        "--tasks",
+        ",".join(tasks),
+        "--output_path",
+        str(out),
+        "--log_samples",
+    ]
     if card.include_path:
         cmd += ["--include_path", card.include_path]
     if card.gen_kwargs:
@@ -133,13 +147,23 @@ def read_cell(cell_dir: Path) -> dict | None:
     return json.loads(path.read_text()) if path.is_file() else None
 
 
-def run_sweep(card: ModelCard, cells: list[Cell], tasks: list[str], output: Path, launcher: str | None = None, limit: int | None = None, echo=print) -> list[dict]:
+def run_sweep(
+    card: ModelCard,
+    cells: list[Cell],
+    tasks: list[str],
+    output: Path,
+    launcher: str | None = None,
+    limit: int | None = None,
+    echo=print,
+) -> list[dict]:
     """Run every unfinished cell; returns each cell's record (done, failed or skipped)."""
     if not tasks:
         raise ValueError("no tasks: pass --tasks or list them in the card")
     output.mkdir(parents=True, exist_ok=True)
     todo = [c for c in cells if (read_cell(output / c.name) or {}).get("status") != "done"]
-    echo(f"sweep {card.name}: {len(cells)} cells, {len(cells) - len(todo)} already done, {len(todo)} to run -> {output}")
+    echo(
+        f"sweep {card.name}: {len(cells)} cells, {len(cells) - len(todo)} already done, {len(todo)} to run -> {output}"
+    )
     records, started, ran = [], time.perf_counter(), 0
     for cell in cells:
         cell_dir = output / cell.name
@@ -158,17 +182,27 @@ def run_sweep(card: ModelCard, cells: list[Cell], tasks: list[str], output: Path
         results = sorted(cell_dir.rglob("*_results.json"))
         done = proc.returncode == 0 and bool(results)
         record = dict(
-            card=card.name, backbone=card.backbone, paper_backbone=card.paper_backbone, cell=cell.name, **asdict(cell), tasks=tasks,
-            status="done" if done else "failed", seconds=round(seconds, 2), command=cmd,
+            card=card.name,
+            backbone=card.backbone,
+            paper_backbone=card.paper_backbone,
+            cell=cell.name,
+            **asdict(cell),
+            tasks=tasks,
+            status="done" if done else "failed",
+            seconds=round(seconds, 2),
+            command=cmd,
             results=str(results[-1].relative_to(cell_dir)) if results else None,
             error=None if done else _error_tail(proc),
-        )  # fmt: skip
+        )
         (cell_dir / CELL_FILE).write_text(json.dumps(record, indent=2) + "\n")
         records.append(record)
         ran += 1
         elapsed = time.perf_counter() - started
         eta = elapsed / ran * (len(todo) - ran)
-        echo(f"[{ran}/{len(todo)}] {cell.name}: {record['status']} in {seconds:.0f} s (elapsed {elapsed:.0f} s, ETA {eta:.0f} s)")
+        echo(
+            f"[{ran}/{len(todo)}] {cell.name}: {record['status']} in {seconds:.0f} s "
+            f"(elapsed {elapsed:.0f} s, ETA {eta:.0f} s)"
+        )
     failed = [r["cell"] for r in records if r["status"] == "failed"]
     if failed:
         echo(f"failed cells (see <cell>/cell.json and lmms_eval.log): {', '.join(failed)}")

@@ -6,7 +6,6 @@ import pytest
 import torch
 from torch.distributions import Beta
 
-from resadapt_eval.budget.planner import Planner
 from resadapt_eval.allocator import (
     Allocator,
     AllocatorConfig,
@@ -17,8 +16,8 @@ from resadapt_eval.allocator import (
 )
 from resadapt_eval.allocator.model import FORMAT_VERSION
 from resadapt_eval.budget.plan import QWEN3VL_GRID, QWEN25VL_GRID, base_size, plan_from_scales, project_to_retention
+from resadapt_eval.budget.planner import Planner
 from resadapt_eval.budget.policies import BudgetSpec
-from resadapt_eval.video import DecodedVideo
 
 
 def tiny_config(**overrides):

@@ -7,10 +7,10 @@ import torch
 from resadapt_eval.backbones.layout import VIDEO_TOKEN_TYPE
 from resadapt_eval.backbones.vision_attention import last_block_input
 from resadapt_eval.baselines import VisualTokens, kept_count
-from resadapt_eval.methods import AFTER_MERGER
-from resadapt_eval.methods import METHODS as REGISTRY
 from resadapt_eval.baselines.common import per_pair_budget
 from resadapt_eval.budget.plan import plan_from_scales
+from resadapt_eval.methods import AFTER_MERGER
+from resadapt_eval.methods import METHODS as REGISTRY
 from resadapt_eval.video import DecodedVideo
 
 from .test_backbones import chat_prompt, first_logits_and_text
@@ -35,7 +35,15 @@ def setup(adapter, num_frames=8):
 
 def compressed(adapter, method, retention, seed=0, num_frames=8):
     prompt, v, plan = setup(adapter, num_frames)
-    inputs, sizes = adapter.build_compressed_inputs(prompt, v, plan, REGISTRY[method].compress, retention, seed=seed, needs_attention=REGISTRY[method].needs_attention)
+    inputs, sizes = adapter.build_compressed_inputs(
+        prompt,
+        v,
+        plan,
+        REGISTRY[method].compress,
+        retention,
+        seed=seed,
+        needs_attention=REGISTRY[method].needs_attention,
+    )
     full = adapter.build_inputs(prompt, v, plan)
     return inputs, sizes, full, plan
 
@@ -75,7 +83,9 @@ def test_budgets_and_positions_at_low_retention(adapters, backbone, method, rete
     assert order == sorted(order) and len(set(order)) == expected
     # text before and after the video keeps its vanilla positions
     text = full["mm_token_type_ids"][0] != VIDEO_TOKEN_TYPE
-    assert torch.equal(inputs["position_ids"][..., inputs["mm_token_type_ids"][0] != VIDEO_TOKEN_TYPE], full_positions[..., text])
+    assert torch.equal(
+        inputs["position_ids"][..., inputs["mm_token_type_ids"][0] != VIDEO_TOKEN_TYPE], full_positions[..., text]
+    )
     text_ids = full["input_ids"][0][text]
     assert torch.equal(inputs["input_ids"][0][inputs["mm_token_type_ids"][0] != VIDEO_TOKEN_TYPE], text_ids)
     _, generated = first_logits_and_text(adapter, inputs, steps=3)
@@ -109,8 +119,15 @@ def test_kept_count_and_pair_budgets():
 
 def test_compressors_on_hand_made_tokens():
     # Pair 0: tokens 0-3 with 0 and 1 identical; pair 1: tokens 4-7.
-    feats = torch.tensor([[1.0, 0.0], [1.0, 0.0], [0.0, 1.0], [0.7, 0.7], [1.0, 0.1], [0.1, 1.0], [-1.0, 0.0], [0.0, -1.0]])
-    tokens = VisualTokens(features=feats, pair_sizes=[4, 4], grids=[(1, 2, 2), (1, 2, 2)], received_attention=torch.tensor([0.1, 0.2, 0.9, 0.3, 0.5, 0.1, 0.2, 0.8]))
+    feats = torch.tensor(
+        [[1.0, 0.0], [1.0, 0.0], [0.0, 1.0], [0.7, 0.7], [1.0, 0.1], [0.1, 1.0], [-1.0, 0.0], [0.0, -1.0]]
+    )
+    tokens = VisualTokens(
+        features=feats,
+        pair_sizes=[4, 4],
+        grids=[(1, 2, 2), (1, 2, 2)],
+        received_attention=torch.tensor([0.1, 0.2, 0.9, 0.3, 0.5, 0.1, 0.2, 0.8]),
+    )
     # ToMe at 3 of 4 per pair: first merges the most similar edge, identical tokens 0 -> 1
     tome = REGISTRY["tome"].compress(tokens, 6)
     assert tome[0].item() == 1 and len(set(tome.tolist())) == 6
@@ -129,7 +146,11 @@ def test_qwen25vl_window_order_is_undone(adapters):
     captured = {}
     hook = adapter.model.model.visual.blocks[-1].register_forward_hook(lambda m, a, out: captured.update(out=out))
     with torch.no_grad():
-        merged = torch.cat(adapter.model.model.get_video_features(full["pixel_values_videos"], full["video_grid_thw"], return_dict=True).pooler_output)
+        merged = torch.cat(
+            adapter.model.model.get_video_features(
+                full["pixel_values_videos"], full["video_grid_thw"], return_dict=True
+            ).pooler_output
+        )
         window_merged = adapter.model.model.visual.merger(captured["out"])
     hook.remove()
     order = adapter.unit_order(full["video_grid_thw"])
@@ -144,7 +165,9 @@ def test_received_attention_is_a_distribution_per_attention_segment(adapters, ba
     full = adapter.build_inputs(prompt, v, plan)
     with torch.no_grad():
         with last_block_input(adapter.model) as captured:
-            adapter.model.model.get_video_features(full["pixel_values_videos"], full["video_grid_thw"], return_dict=True)
+            adapter.model.model.get_video_features(
+                full["pixel_values_videos"], full["video_grid_thw"], return_dict=True
+            )
         received = adapter.received_attention(captured, full["video_grid_thw"])
     assert received.shape == (plan.visual_tokens,) and (received > 0).all()
     # Softmax rows sum to 1 within each attention segment; averaged over 4-patch units the

@@ -18,7 +18,12 @@ from .test_lmms_cli import lmms_eval_command, sidecar_records
 FIXTURE_TASKS = {
     "resadapt_fixture_videomme": ["videomme_perception_score,none"],
     "resadapt_fixture_lvbench": ["lvbench_score,none"],
-    "resadapt_fixture_charades": ["charades_sta_IOU@3,none", "charades_sta_IOU@5,none", "charades_sta_IOU@7,none", "charades_sta_mIOU,none"],
+    "resadapt_fixture_charades": [
+        "charades_sta_IOU@3,none",
+        "charades_sta_IOU@5,none",
+        "charades_sta_IOU@7,none",
+        "charades_sta_mIOU,none",
+    ],
     "resadapt_fixture_nextgqa": ["acc,none", "miou,none"],
     "resadapt_fixture_activitynet_tg": ["r0.3,none", "r0.5,none", "r0.7,none", "miou,none"],
     "resadapt_fixture_chartqa": ["relaxed_overall,none"],
@@ -26,7 +31,9 @@ FIXTURE_TASKS = {
 
 
 def test_every_fixture_family_runs_the_real_task_functions_through_our_model(fixtures_dir, tmp_path):
-    model_args = dict(pretrained=fixtures_dir / "qwen25vl", method="fixed_scale", retention=0.25, max_num_frames=8, device="cpu")
+    model_args = dict(
+        pretrained=fixtures_dir / "qwen25vl", method="fixed_scale", retention=0.25, max_num_frames=8, device="cpu"
+    )
     cmd = lmms_eval_command("resadapt_qwen25vl", model_args, ",".join(FIXTURE_TASKS), str(REPO / "tasks"), tmp_path)
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -43,7 +50,9 @@ def test_every_fixture_family_runs_the_real_task_functions_through_our_model(fix
     for r in records:
         assert r["error"] is None and r["achieved_retention"] <= 0.25
     for r in by_task["resadapt_fixture_chartqa"]:  # an image is one frame (a duplicated pair)
-        assert r["num_frames"] == 1 and len(r["grids"]) == 1 and r["visual_tokens"] == r["grids"][0][1] * r["grids"][0][2]
+        assert (
+            r["num_frames"] == 1 and len(r["grids"]) == 1 and r["visual_tokens"] == r["grids"][0][1] * r["grids"][0][2]
+        )
     # a malformed grounding answer scores IoU 0 and says why, per sample
     (samples,) = tmp_path.rglob("*_samples_resadapt_fixture_nextgqa.jsonl")
     logged = [json.loads(line) for line in samples.read_text().splitlines()]
@@ -64,7 +73,10 @@ def test_grounding_metrics_on_a_hand_made_prediction_file(tmp_path):
     ]
     predictions.write_text("".join(json.dumps({"prediction": p}) + "\n" for p, _ in rows))
     doc = {"caption": "x", "timestamp": reference}
-    per_sample = [grounding.grounding_process_results(doc, [json.loads(line)["prediction"]]) for line in predictions.read_text().splitlines()]
+    per_sample = [
+        grounding.grounding_process_results(doc, [json.loads(line)["prediction"]])
+        for line in predictions.read_text().splitlines()
+    ]
     ious = [s["miou"]["iou"] for s in per_sample]
     assert ious == pytest.approx([iou for _, iou in rows])
     results = [s["r0.3"] for s in per_sample]
@@ -86,8 +98,11 @@ def test_grounding_metrics_on_a_hand_made_prediction_file(tmp_path):
 def test_images_take_the_same_budget_path(adapters):
     adapter = adapters["qwen25vl"]
     image = Image.fromarray(np.random.default_rng(0).integers(0, 256, (240, 320, 3), dtype=np.uint8))
-    prompt = adapter.processor.apply_chat_template([{"role": "user", "content": [{"type": "image", "image": image}, {"type": "text", "text": "What is shown?"}]}],
-                                                   tokenize=False, add_generation_prompt=True)  # fmt: skip
+    prompt = adapter.processor.apply_chat_template(
+        [{"role": "user", "content": [{"type": "image", "image": image}, {"type": "text", "text": "What is shown?"}]}],
+        tokenize=False,
+        add_generation_prompt=True,
+    )
     vanilla = VideoPipeline(adapter, VideoPipelineConfig(method="vanilla"))
     _, record = vanilla.run(Request(prompt, images=(image,)))
     # 240x320 -> 252x308 px base = 9x11 tokens; one image = one pair
@@ -97,4 +112,6 @@ def test_images_take_the_same_budget_path(adapters):
     assert record.visual_tokens == 24 and record.achieved_retention == pytest.approx(24 / 99)  # s = 0.5 -> 4x6
     tome = VideoPipeline(adapter, VideoPipelineConfig(method="tome", budget=BudgetSpec(retention=0.25)))
     _, record = tome.run(Request(prompt, images=(image,)))
-    assert record.error.startswith("ValueError") and "works on videos only" in record.error and record.visual_tokens == 0
+    assert (
+        record.error.startswith("ValueError") and "works on videos only" in record.error and record.visual_tokens == 0
+    )

@@ -70,7 +70,11 @@ def test_fixed_scale_hand_computed_case():
 @pytest.mark.parametrize("backbone", ["qwen25vl", "qwen3vl"])
 @pytest.mark.parametrize("target", [0.25, 0.10])
 @pytest.mark.parametrize("num_frames", [7, 9, 32])
-@pytest.mark.parametrize("frame_hw", [(1080, 1920), (1920, 1080), (240, 320), (480, 360), (720, 720)], ids=["wide", "tall", "small-wide", "tall-4:3", "square"])
+@pytest.mark.parametrize(
+    "frame_hw",
+    [(1080, 1920), (1920, 1080), (240, 320), (480, 360), (720, 720)],
+    ids=["wide", "tall", "small-wide", "tall-4:3", "square"],
+)
 def test_fixed_scale_lands_within_one_grid_step_below_target(backbone, target, num_frames, frame_hw):
     grid = GRIDS[backbone]
     px = grid.token_px

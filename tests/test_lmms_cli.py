@@ -13,8 +13,22 @@ TASK = "resadapt_smoke_videoqa"
 
 def lmms_eval_command(model: str, model_args: dict, tasks: str, include_path: str, output_path) -> list[str]:
     arg_string = ",".join(f"{k}={v}" for k, v in model_args.items())
-    return [sys.executable, "-m", "lmms_eval", "--model", model, "--model_args", arg_string, "--tasks", tasks,
-            "--include_path", include_path, "--output_path", str(output_path), "--log_samples"]  # fmt: skip
+    return [
+        sys.executable,
+        "-m",
+        "lmms_eval",
+        "--model",
+        model,
+        "--model_args",
+        arg_string,
+        "--tasks",
+        tasks,
+        "--include_path",
+        include_path,
+        "--output_path",
+        str(output_path),
+        "--log_samples",
+    ]
 
 
 def run_lmms_eval(model, model_args, out):
@@ -44,7 +58,14 @@ def test_models_are_registered_through_the_entry_point():
 
 @pytest.mark.parametrize("backbone", ["qwen25vl", "qwen3vl"])
 def test_fixed_scale_run_exits_0_and_every_record_is_within_budget(fixtures_dir, tmp_path, backbone):
-    model_args = dict(pretrained=fixtures_dir / backbone, method="fixed_scale", retention=0.25, max_num_frames=8, device="cpu", dtype="float32")
+    model_args = dict(
+        pretrained=fixtures_dir / backbone,
+        method="fixed_scale",
+        retention=0.25,
+        max_num_frames=8,
+        device="cpu",
+        dtype="float32",
+    )
     proc = run_lmms_eval(f"resadapt_{backbone}", model_args, tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
 
@@ -64,10 +85,15 @@ def test_fixed_scale_run_exits_0_and_every_record_is_within_budget(fixtures_dir,
     results = results_json(tmp_path)
     throughput = results["throughput"]
     assert throughput["avg_resadapt_visual_tokens"] == sum(r["visual_tokens"] for r in records)
-    assert throughput["avg_resadapt_mean_retention"] == pytest.approx(sum(r["achieved_retention"] for r in records) / len(records))
+    assert throughput["avg_resadapt_mean_retention"] == pytest.approx(
+        sum(r["achieved_retention"] for r in records) / len(records)
+    )
     assert "videomme_perception_score,none" in results["results"][TASK]
     # Sidecar sits beside lmms-eval's own outputs.
-    assert sorted(tmp_path.rglob("*_results.json"))[0].parent == sorted(tmp_path.rglob("resadapt_samples_*.jsonl"))[0].parent
+    assert (
+        sorted(tmp_path.rglob("*_results.json"))[0].parent
+        == sorted(tmp_path.rglob("resadapt_samples_*.jsonl"))[0].parent
+    )
 
 
 @pytest.fixture
@@ -95,7 +121,9 @@ def test_a_missing_video_is_recorded_and_the_run_goes_on(fixtures_dir, tmp_path,
 
 
 def test_strict_makes_a_missing_video_stop_the_run(fixtures_dir, tmp_path, one_video_missing):
-    model_args = dict(pretrained=fixtures_dir / "qwen25vl", method="vanilla", max_num_frames=8, device="cpu", strict="true")
+    model_args = dict(
+        pretrained=fixtures_dir / "qwen25vl", method="vanilla", max_num_frames=8, device="cpu", strict="true"
+    )
     proc = run_lmms_eval("resadapt_qwen25vl", model_args, tmp_path)
     # lmms-eval's CLI prints the error and exits 0 (it re-raises only with --verbosity DEBUG),
     # but the evaluation stops: no results are written.
@@ -115,7 +143,14 @@ def test_bad_model_args_give_clear_errors(fixtures_dir):
 
 @pytest.mark.parametrize("backbone", ["qwen25vl", "qwen3vl"])
 def test_resadapt_with_the_builtin_allocator_runs_within_budget(fixtures_dir, tmp_path, backbone):
-    model_args = dict(pretrained=fixtures_dir / backbone, method="resadapt", allocator="builtin", retention=0.25, max_num_frames=8, device="cpu")
+    model_args = dict(
+        pretrained=fixtures_dir / backbone,
+        method="resadapt",
+        allocator="builtin",
+        retention=0.25,
+        max_num_frames=8,
+        device="cpu",
+    )
     proc = run_lmms_eval(f"resadapt_{backbone}", model_args, tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     records = sidecar_records(tmp_path)
@@ -144,7 +179,14 @@ def test_token_compressors_run_through_the_cli_at_exact_budgets(fixtures_dir, tm
 
 
 def test_frame_selection_runs_through_the_cli_with_the_frame_budget(fixtures_dir, tmp_path):
-    model_args = dict(pretrained=fixtures_dir / "qwen25vl", method="resadapt", operator="select_resize", candidates=32, top_k=8, device="cpu")
+    model_args = dict(
+        pretrained=fixtures_dir / "qwen25vl",
+        method="resadapt",
+        operator="select_resize",
+        candidates=32,
+        top_k=8,
+        device="cpu",
+    )
     proc = run_lmms_eval("resadapt_qwen25vl", model_args, tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     for r in sidecar_records(tmp_path):

@@ -26,8 +26,17 @@ def keep_first(tokens, keep, seed=0):
 @pytest.fixture
 def extra_method():
     """A method added the way a new baseline is: one compressor plus one registration."""
-    method = register(Method("keep_first", "Keep First", "KeepFirst", AFTER_MERGER, REQUIRED_RETENTION,
-                             policy=methods.policies.vanilla, compress=keep_first))  # fmt: skip
+    method = register(
+        Method(
+            "keep_first",
+            "Keep First",
+            "KeepFirst",
+            AFTER_MERGER,
+            REQUIRED_RETENTION,
+            policy=methods.policies.vanilla,
+            compress=keep_first,
+        )
+    )
     yield method
     del METHODS[method.name]
 
@@ -45,9 +54,18 @@ def surfaces(name: str, backbone: str = "qwen25vl") -> dict:
     card = ModelCard(name="card", backbone=backbone, pretrained="ckpt", allocator="builtin")
     (cell, *_) = plan_cells([name], [0.25], [8])
     command = cell_command(card, cell, ["task"], Path("out"))
-    run = CellRun(card="card", backbone=backbone, paper_backbone=None, method=name, retention=cell.retention, frames=8, path=Path("x"),
-                  scores={"videomme": 50.0}, columns_by_table={"video_qa": ["videomme"]},
-                  records=[{"achieved_retention": 0.25, "error": None, "task": "videomme"}])  # fmt: skip
+    run = CellRun(
+        card="card",
+        backbone=backbone,
+        paper_backbone=None,
+        method=name,
+        retention=cell.retention,
+        frames=8,
+        path=Path("x"),
+        scores={"videomme": 50.0},
+        columns_by_table={"video_qa": ["videomme"]},
+        records=[{"achieved_retention": 0.25, "error": None, "task": "videomme"}],
+    )
     (table,) = build_tables([run])
     figure = pareto_figure([run], "videomme", 8)
     return dict(
@@ -56,7 +74,9 @@ def surfaces(name: str, backbone: str = "qwen25vl") -> dict:
         resolves=get_model(model_name) is cls if model_name in MODEL_REGISTRY_V2.list_model_names() else None,
         fixed_method=cls.fixed_method,
         command_model=command[command.index("--model") + 1],
-        command_method=dict(arg.split("=", 1) for arg in command[command.index("--model_args") + 1].split(","))["method"],
+        command_method=dict(arg.split("=", 1) for arg in command[command.index("--model_args") + 1].split(","))[
+            "method"
+        ],
         row=table.rows[0]["method"],
         legend=[t.get_text() for t in figure.axes[0].get_legend().get_texts()],
     )
@@ -76,8 +96,15 @@ def test_every_registered_method_appears_consistently(name):
 
 def test_a_newly_registered_method_reaches_every_surface(extra_method):
     seen = surfaces("keep_first", "qwen3vl")
-    assert seen == dict(model="keep_first_qwen3vl", resolves=None, fixed_method="keep_first", command_model="keep_first_qwen3vl",
-                        command_method="keep_first", row="Keep First", legend=["Keep First"])  # fmt: skip
+    assert seen == dict(
+        model="keep_first_qwen3vl",
+        resolves=None,
+        fixed_method="keep_first",
+        command_model="keep_first_qwen3vl",
+        command_method="keep_first",
+        row="Keep First",
+        legend=["Keep First"],
+    )
     assert VideoPipelineConfig(method="keep_first", budget=BudgetSpec(retention=0.5)).method == "keep_first"
     with pytest.raises(ValueError, match="needs a target retention"):
         VideoPipelineConfig(method="keep_first")

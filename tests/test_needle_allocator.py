@@ -223,7 +223,9 @@ def test_committed_needle_allocator_spends_r025_on_the_evidence_pair(tmp_path):
     backbone = Qwen25VLAdapter.from_pretrained(str(REPO / "results" / "needle" / "backbone-qwen25vl"), dtype="float32")
     allocator = str(REPO / "results" / "needle" / "allocator-qwen25vl")
     spec = BudgetSpec(retention=0.25, s_min=0.1, s_max=1.0)  # the needle card's range
-    pipeline = VideoPipeline(backbone, VideoPipelineConfig(method="resadapt", allocator=allocator, max_num_frames=16, budget=spec))
+    pipeline = VideoPipeline(
+        backbone, VideoPipelineConfig(method="resadapt", allocator=allocator, max_num_frames=16, budget=spec)
+    )
     rows = [
         json.loads(line)
         for line in make_split(tmp_path, "test", 8, seed=2, cue=True, progress=False).read_text().splitlines()

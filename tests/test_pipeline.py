@@ -11,7 +11,9 @@ from resadapt_eval.video import VideoDecodeError
 
 def image_prompt(adapter, n: int) -> str:
     content = [{"type": "image"}] * n + [{"type": "text", "text": "Which image shows a square?"}]
-    return adapter.processor.apply_chat_template([{"role": "user", "content": content}], tokenize=False, add_generation_prompt=True)
+    return adapter.processor.apply_chat_template(
+        [{"role": "user", "content": content}], tokenize=False, add_generation_prompt=True
+    )
 
 
 def three_images() -> tuple:
@@ -27,7 +29,9 @@ def three_images() -> tuple:
 def test_the_images_of_a_request_are_scored_together_and_projected_jointly(adapters, backbone):
     adapter = adapters[backbone]
     images = three_images()
-    request = Request(image_prompt(adapter, 3), images=images, query="Which image shows a square?", gen_kwargs=dict(max_new_tokens=2))
+    request = Request(
+        image_prompt(adapter, 3), images=images, query="Which image shows a square?", gen_kwargs=dict(max_new_tokens=2)
+    )
     free = VideoPipeline(adapter, VideoPipelineConfig(method="resadapt", allocator="builtin"))
     _, record = free.run(request)
     assert record.error is None
@@ -38,7 +42,9 @@ def test_the_images_of_a_request_are_scored_together_and_projected_jointly(adapt
     assert len(set(record.scales)) == 3
     np.testing.assert_allclose(record.scales, np.clip(raw, 0.2, 1.8), atol=1e-6)
 
-    projected = VideoPipeline(adapter, VideoPipelineConfig(method="resadapt", allocator="builtin", budget=BudgetSpec(retention=0.25)))
+    projected = VideoPipeline(
+        adapter, VideoPipelineConfig(method="resadapt", allocator="builtin", budget=BudgetSpec(retention=0.25))
+    )
     _, record = projected.run(request)
     assert record.error is None
     vanilla = VideoPipeline(adapter, VideoPipelineConfig(method="vanilla"))
@@ -55,13 +61,21 @@ def test_the_images_of_a_request_are_scored_together_and_projected_jointly(adapt
 
 def test_a_failed_sample_keeps_its_exception_and_strict_raises_the_original(adapters, fixtures_dir, tmp_path):
     adapter = adapters["qwen25vl"]
-    prompt = adapter.processor.apply_chat_template([{"role": "user", "content": [{"type": "video"}, {"type": "text", "text": "Colour?"}]}],
-                                                   tokenize=False, add_generation_prompt=True)  # fmt: skip
+    prompt = adapter.processor.apply_chat_template(
+        [{"role": "user", "content": [{"type": "video"}, {"type": "text", "text": "Colour?"}]}],
+        tokenize=False,
+        add_generation_prompt=True,
+    )
     good = str(sorted((fixtures_dir / "smoke_videoqa" / "videos").glob("*.mp4"))[0])
-    requests = [Request(prompt, video=str(tmp_path / "missing.mp4"), doc_id=0), Request(prompt, video=good, gen_kwargs=dict(max_new_tokens=2), doc_id=1)]
+    requests = [
+        Request(prompt, video=str(tmp_path / "missing.mp4"), doc_id=0),
+        Request(prompt, video=good, gen_kwargs=dict(max_new_tokens=2), doc_id=1),
+    ]
     config = dict(method="fixed_scale", max_num_frames=8, budget=BudgetSpec(retention=0.25))
     (text0, missing), (_, done) = VideoPipeline(adapter, VideoPipelineConfig(**config)).run_batch(requests)
-    assert text0 == "" and missing.error.startswith("VideoDecodeError: video not found") and "missing.mp4" in missing.error
+    assert (
+        text0 == "" and missing.error.startswith("VideoDecodeError: video not found") and "missing.mp4" in missing.error
+    )
     assert missing.video.endswith("missing.mp4") and missing.target_retention == 0.25 and missing.visual_tokens == 0
     assert done.error is None and done.doc_id == 1 and 0.20 <= done.achieved_retention <= 0.25
     with pytest.raises(VideoDecodeError, match="missing.mp4"):
@@ -70,12 +84,20 @@ def test_a_failed_sample_keeps_its_exception_and_strict_raises_the_original(adap
 
 def test_a_batch_answers_as_its_requests_do_one_at_a_time(adapters, fixtures_dir):
     adapter = adapters["qwen3vl"]
-    prompt = adapter.processor.apply_chat_template([{"role": "user", "content": [{"type": "video"}, {"type": "text", "text": "Colour?"}]}],
-                                                   tokenize=False, add_generation_prompt=True)  # fmt: skip
+    prompt = adapter.processor.apply_chat_template(
+        [{"role": "user", "content": [{"type": "video"}, {"type": "text", "text": "Colour?"}]}],
+        tokenize=False,
+        add_generation_prompt=True,
+    )
     videos = sorted((fixtures_dir / "smoke_videoqa" / "videos").glob("*.mp4"))[:3]
-    requests = [Request(prompt, video=str(v), query=q, gen_kwargs=dict(max_new_tokens=3), doc_id=i)
-                for i, (v, q) in enumerate(zip(videos, ["Colour?", "Where is the square?", "How many?"]))]  # fmt: skip
-    pipeline = VideoPipeline(adapter, VideoPipelineConfig(method="resadapt", allocator="builtin", max_num_frames=8, budget=BudgetSpec(retention=0.5)))
+    requests = [
+        Request(prompt, video=str(v), query=q, gen_kwargs=dict(max_new_tokens=3), doc_id=i)
+        for i, (v, q) in enumerate(zip(videos, ["Colour?", "Where is the square?", "How many?"]))
+    ]
+    pipeline = VideoPipeline(
+        adapter,
+        VideoPipelineConfig(method="resadapt", allocator="builtin", max_num_frames=8, budget=BudgetSpec(retention=0.5)),
+    )
     together = pipeline.run_batch(requests)
     for request, (text, record) in zip(requests, together):
         alone_text, alone = pipeline.run(request)

@@ -107,11 +107,16 @@ def test_every_table_cell_equals_the_results_json_and_r_the_sidecar_mean(run_dir
 def test_best_of_each_group_is_bold():
     from resadapt_eval.report.tables import Table
 
-    table = Table("video_qa", "Video QA", ["a"], rows=[
-        dict(card="c", frames=8, method="FixedScale", target=0.25, R=0.24, a=50.0),
-        dict(card="c", frames=8, method="ResAdapt", target=0.25, R=0.23, a=60.0),
-        dict(card="c", frames=8, method="Vanilla", target=None, R=1.0, a=70.0),
-    ])  # fmt: skip
+    table = Table(
+        "video_qa",
+        "Video QA",
+        ["a"],
+        rows=[
+            dict(card="c", frames=8, method="FixedScale", target=0.25, R=0.24, a=50.0),
+            dict(card="c", frames=8, method="ResAdapt", target=0.25, R=0.23, a=60.0),
+            dict(card="c", frames=8, method="Vanilla", target=None, R=1.0, a=70.0),
+        ],
+    )
     assert table.best() == {(1, "a")}  # vanilla is alone in its group
     assert "**60.0**" in to_markdown(table) and r"\textbf{60.0}" in to_latex(table)
 

@@ -8,8 +8,8 @@ pytest.importorskip("vllm")
 
 from resadapt_eval.backbones.vllm_engine import VLLMBackbone  # noqa: E402
 from resadapt_eval.budget.plan import plan_from_scales  # noqa: E402
-from resadapt_eval.pipeline import Request, VideoPipeline, VideoPipelineConfig  # noqa: E402
 from resadapt_eval.budget.policies import BudgetSpec  # noqa: E402
+from resadapt_eval.pipeline import Request, VideoPipeline, VideoPipelineConfig  # noqa: E402
 
 from .test_backbones import chat_prompt, synthetic_video  # noqa: E402
 from .test_lmms_cli import lmms_eval_command, sidecar_records  # noqa: E402
@@ -19,7 +19,12 @@ KV_CACHE_BYTES = 64 << 20  # vLLM on CPU otherwise reserves most of the machine'
 
 @pytest.fixture(scope="module")
 def engines(fixtures_dir):
-    return {family: VLLMBackbone(family, str(fixtures_dir / family), max_num_frames=8, dtype="float32", kv_cache_memory_bytes=KV_CACHE_BYTES) for family in ("qwen25vl", "qwen3vl")}
+    return {
+        family: VLLMBackbone(
+            family, str(fixtures_dir / family), max_num_frames=8, dtype="float32", kv_cache_memory_bytes=KV_CACHE_BYTES
+        )
+        for family in ("qwen25vl", "qwen3vl")
+    }
 
 
 def selected_video():
@@ -62,14 +67,28 @@ def test_prompt_ids_and_first_token_logprobs_equal_the_hf_path(engines, adapters
 
 def test_run_batch_records_the_engines_tokens_and_a_bad_video_fails_alone(engines, fixtures_dir, tmp_path):
     engine = engines["qwen25vl"]
-    pipeline = VideoPipeline(engine, VideoPipelineConfig(method="fixed_scale", max_num_frames=8, budget=BudgetSpec(retention=0.25)))
+    pipeline = VideoPipeline(
+        engine, VideoPipelineConfig(method="fixed_scale", max_num_frames=8, budget=BudgetSpec(retention=0.25))
+    )
     videos = sorted((fixtures_dir / "smoke_videoqa" / "videos").glob("*.mp4"))[:2]
     (tmp_path / "broken.mp4").write_bytes(b"not a video")
     paths = [str(videos[0]), str(tmp_path / "missing.mp4"), str(tmp_path / "broken.mp4"), str(videos[1])]
     prompt = engine.processor.apply_chat_template(
-        [{"role": "user", "content": [{"type": "video"}, {"type": "text", "text": "What colour is the square?"}]}], tokenize=False, add_generation_prompt=True
+        [{"role": "user", "content": [{"type": "video"}, {"type": "text", "text": "What colour is the square?"}]}],
+        tokenize=False,
+        add_generation_prompt=True,
     )
-    jobs = [Request(prompt, video=path, query="What colour is the square?", gen_kwargs=dict(max_new_tokens=3), doc_id=i, task="t") for i, path in enumerate(paths)]
+    jobs = [
+        Request(
+            prompt,
+            video=path,
+            query="What colour is the square?",
+            gen_kwargs=dict(max_new_tokens=3),
+            doc_id=i,
+            task="t",
+        )
+        for i, path in enumerate(paths)
+    ]
     results = pipeline.run_batch(jobs)
 
     (text0, r0), (_, missing), (_, broken), (text3, r3) = results
@@ -85,12 +104,21 @@ def test_run_batch_records_the_engines_tokens_and_a_bad_video_fails_alone(engine
 
 def test_resadapt_batches_the_allocator_over_the_chunk(engines, fixtures_dir):
     engine = engines["qwen3vl"]
-    config = VideoPipelineConfig(method="resadapt", allocator="builtin", max_num_frames=8, budget=BudgetSpec(retention=0.5))
+    config = VideoPipelineConfig(
+        method="resadapt", allocator="builtin", max_num_frames=8, budget=BudgetSpec(retention=0.5)
+    )
     pipeline = VideoPipeline(engine, config)
     videos = sorted((fixtures_dir / "smoke_videoqa" / "videos").glob("*.mp4"))[:3]
-    prompt = engine.processor.apply_chat_template([{"role": "user", "content": [{"type": "video"}, {"type": "text", "text": "Which colour?"}]}], tokenize=False, add_generation_prompt=True)
+    prompt = engine.processor.apply_chat_template(
+        [{"role": "user", "content": [{"type": "video"}, {"type": "text", "text": "Which colour?"}]}],
+        tokenize=False,
+        add_generation_prompt=True,
+    )
     queries = ["Which colour?", "Where is the square?", "How many squares?"]
-    jobs = [Request(prompt, video=str(v), query=q, gen_kwargs=dict(max_new_tokens=2), doc_id=i, task="t") for i, (v, q) in enumerate(zip(videos, queries))]
+    jobs = [
+        Request(prompt, video=str(v), query=q, gen_kwargs=dict(max_new_tokens=2), doc_id=i, task="t")
+        for i, (v, q) in enumerate(zip(videos, queries))
+    ]
     results = pipeline.run_batch(jobs)
 
     single = VideoPipeline(engine, config)
@@ -102,9 +130,13 @@ def test_resadapt_batches_the_allocator_over_the_chunk(engines, fixtures_dir):
         np.testing.assert_allclose(record.raw_scales, np.round(alone, 6), atol=1e-5)
 
     # frame selection on the same engine: 8 candidates scored in the batch, the best 4 kept
-    selecting = VideoPipeline(engine, VideoPipelineConfig(method="resadapt", allocator="builtin", operator="select", candidates=8, top_k=4))
+    selecting = VideoPipeline(
+        engine, VideoPipelineConfig(method="resadapt", allocator="builtin", operator="select", candidates=8, top_k=4)
+    )
     for _, record in selecting.run_batch(jobs):
-        assert record.error is None and record.candidates == 8 and record.num_frames == 4 and len(record.raw_scales) == 8
+        assert (
+            record.error is None and record.candidates == 8 and record.num_frames == 4 and len(record.raw_scales) == 8
+        )
         assert record.visual_tokens == sum(t * h * w for t, h, w in record.grids)
 
 
@@ -114,8 +146,18 @@ def test_lmms_eval_cli_runs_the_vllm_models_within_budget(fixtures_dir, tmp_path
 
     from .conftest import REPO
 
-    model_args = dict(pretrained=fixtures_dir / backbone, method="fixed_scale", retention=0.25, max_num_frames=8, device="cpu", dtype="float32", kv_cache_memory_bytes=KV_CACHE_BYTES)
-    cmd = lmms_eval_command(f"resadapt_{backbone}_vllm", model_args, "resadapt_smoke_videoqa", str(REPO / "tasks"), tmp_path)
+    model_args = dict(
+        pretrained=fixtures_dir / backbone,
+        method="fixed_scale",
+        retention=0.25,
+        max_num_frames=8,
+        device="cpu",
+        dtype="float32",
+        kv_cache_memory_bytes=KV_CACHE_BYTES,
+    )
+    cmd = lmms_eval_command(
+        f"resadapt_{backbone}_vllm", model_args, "resadapt_smoke_videoqa", str(REPO / "tasks"), tmp_path
+    )
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
     records = sidecar_records(tmp_path)
@@ -125,4 +167,3 @@ def test_lmms_eval_cli_runs_the_vllm_models_within_budget(fixtures_dir, tmp_path
         assert 0.20 <= r["achieved_retention"] <= 0.25
         assert r["visual_tokens"] == sum(t * h * w for t, h, w in r["grids"])
     assert list(tmp_path.rglob("*_results.json")), "lmms-eval wrote no results JSON"
-

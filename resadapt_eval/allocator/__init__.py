@@ -13,7 +13,17 @@ from .model import (
 )
 
 __all__ = [
-    "Allocator", "AllocatorConfig", "AllocatorPolicy", "BUILTIN", "CheckpointError", "ENCODERS",
-    "FrozenEncoders", "INFERENCE_MODES", "beta_actions", "build_encoders", "load_allocator", "logit_normal_actions",
+    "Allocator",
+    "AllocatorConfig",
+    "AllocatorPolicy",
+    "BUILTIN",
+    "CheckpointError",
+    "ENCODERS",
+    "FrozenEncoders",
+    "INFERENCE_MODES",
+    "beta_actions",
+    "build_encoders",
+    "load_allocator",
+    "logit_normal_actions",
     "logit_normal_mean",
-]  # fmt: skip
+]

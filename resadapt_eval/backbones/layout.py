@@ -68,7 +68,9 @@ class QwenLayout:
 
     def resized_pairs(self, video: DecodedVideo, plan: ResizePlan) -> list[torch.Tensor]:
         """Each pair's frames (2, 3, h, w) uint8 at its planned size in pixels."""
-        return [resize_frames(video.frames[list(group)], h, w) for group, (h, w) in zip(plan.pair_frames, plan.pair_sizes)]
+        return [
+            resize_frames(video.frames[list(group)], h, w) for group, (h, w) in zip(plan.pair_frames, plan.pair_sizes)
+        ]
 
     def resized_images(self, images: list[np.ndarray], plans: list[ResizePlan]) -> list[torch.Tensor]:
         """Each uint8 image (H, W, 3) at its one-pair plan's size, (3, h, w) uint8."""
@@ -89,7 +91,9 @@ class Qwen25VLLayout(QwenLayout):
         gaps (the last pair takes 2 / sampled_fps of the kept frames)."""
         tail = self.temporal_patch / video.sampled_fps
         seconds = [(video.indices[group[0]] - video.indices[0]) / video.fps for group in plan.pair_frames]
-        gaps = [b - a for a, b in zip(seconds[:-1], seconds[1:])] + [tail] if not video.uniform else [tail] * len(seconds)
+        gaps = (
+            [b - a for a, b in zip(seconds[:-1], seconds[1:])] + [tail] if not video.uniform else [tail] * len(seconds)
+        )
         return [VideoMetadata(total_num_frames=2, fps=self.temporal_patch / gap, frames_indices=[0, 1]) for gap in gaps]
 
 
@@ -101,7 +105,9 @@ class Qwen3VLLayout(QwenLayout):
         """Frame indices of the pair in the file, so the processor writes the stock timestamp
         (mean of the pair's frame times) before each pair."""
         return [
-            VideoMetadata(total_num_frames=video.total_frames, fps=video.fps, frames_indices=[video.indices[i] for i in group])
+            VideoMetadata(
+                total_num_frames=video.total_frames, fps=video.fps, frames_indices=[video.indices[i] for i in group]
+            )
             for group in plan.pair_frames
         ]
 
@@ -123,11 +129,24 @@ class Backbone(Protocol):
     compresses_tokens: bool
     serves_images: bool
 
-    def build_inputs(self, prompt: str, video: DecodedVideo, plan: ResizePlan, pairs: list[torch.Tensor] | None = None): ...
+    def build_inputs(
+        self, prompt: str, video: DecodedVideo, plan: ResizePlan, pairs: list[torch.Tensor] | None = None
+    ): ...
 
-    def build_image_inputs(self, prompt: str, images: list[np.ndarray], plans: list[ResizePlan], resized: list[torch.Tensor] | None = None): ...
+    def build_image_inputs(
+        self, prompt: str, images: list[np.ndarray], plans: list[ResizePlan], resized: list[torch.Tensor] | None = None
+    ): ...
 
-    def build_compressed_inputs(self, prompt: str, video: DecodedVideo, plan: ResizePlan, compress, retention: float, seed: int = 0,
-                                needs_attention: bool = False, pairs: list[torch.Tensor] | None = None): ...  # fmt: skip
+    def build_compressed_inputs(
+        self,
+        prompt: str,
+        video: DecodedVideo,
+        plan: ResizePlan,
+        compress,
+        retention: float,
+        seed: int = 0,
+        needs_attention: bool = False,
+        pairs: list[torch.Tensor] | None = None,
+    ): ...
 
     def generate_batch(self, requests: list, gen_kwargs: list[dict]) -> list[tuple[str, list[int], int]]: ...

@@ -39,7 +39,9 @@ class QwenVideoAdapter:
         self.processor, self.tokenizer, self.grid = processor, processor.tokenizer, self.layout.grid
 
     @classmethod
-    def from_pretrained(cls, path: str, device: str = "cpu", dtype: str = "auto", attn_implementation: str | None = None):
+    def from_pretrained(
+        cls, path: str, device: str = "cpu", dtype: str = "auto", attn_implementation: str | None = None
+    ):
         """Load model and processor from a `save_pretrained` folder or hub id."""
         kwargs = {"dtype": dtype if dtype == "auto" else getattr(torch, dtype)}
         if attn_implementation:
@@ -52,7 +54,9 @@ class QwenVideoAdapter:
         return self.model.device
 
     # ------------------------------------------------------------------ inputs
-    def build_inputs(self, prompt: str, video: DecodedVideo, plan: ResizePlan, pairs: list[torch.Tensor] | None = None) -> dict:
+    def build_inputs(
+        self, prompt: str, video: DecodedVideo, plan: ResizePlan, pairs: list[torch.Tensor] | None = None
+    ) -> dict:
         """Tokenised prompt with the video realised at the plan's per-pair sizes.
 
         `prompt` is chat-formatted text holding one `<|video_pad|>` where the video goes; `pairs`
@@ -71,7 +75,9 @@ class QwenVideoAdapter:
         )
         placeholders = int((inputs["input_ids"] == self.processor.video_token_id).sum())
         if placeholders != plan.visual_tokens:
-            raise RuntimeError(f"processor wrote {placeholders} video placeholders, the plan counts {plan.visual_tokens}")
+            raise RuntimeError(
+                f"processor wrote {placeholders} video placeholders, the plan counts {plan.visual_tokens}"
+            )
         inputs = inputs.to(self.device)
         if "pixel_values_videos" in inputs:
             inputs["pixel_values_videos"] = inputs["pixel_values_videos"].to(self.model.dtype)
@@ -80,12 +86,16 @@ class QwenVideoAdapter:
             inputs["position_ids"] = positions
         return dict(inputs)
 
-    def build_image_inputs(self, prompt: str, images: list[np.ndarray], plans: list[ResizePlan], resized: list[torch.Tensor] | None = None) -> dict:
+    def build_image_inputs(
+        self, prompt: str, images: list[np.ndarray], plans: list[ResizePlan], resized: list[torch.Tensor] | None = None
+    ) -> dict:
         """Tokenised prompt with each image at its plan's size (one plan of one pair per image:
         Qwen duplicates an image into a temporal pair). `prompt` holds one `<|image_pad|>` per
         image; images are uint8 (H, W, 3). The stock rope positions images (one group each)."""
         if prompt.count(IMAGE_PAD) != len(images):
-            raise ValueError(f"the prompt holds {prompt.count(IMAGE_PAD)} {IMAGE_PAD}, expected one per image ({len(images)})")
+            raise ValueError(
+                f"the prompt holds {prompt.count(IMAGE_PAD)} {IMAGE_PAD}, expected one per image ({len(images)})"
+            )
         resized = resized if resized is not None else self.layout.resized_images(images, plans)
         inputs = self.processor(text=[prompt], images=resized, do_resize=False, return_tensors="pt")
         placeholders = int((inputs["input_ids"] == self.processor.image_token_id).sum())
@@ -105,7 +115,10 @@ class QwenVideoAdapter:
         if "position_ids" in inputs:
             return inputs["position_ids"]
         positions, _ = self.model.model.get_rope_index(
-            inputs["input_ids"], inputs["mm_token_type_ids"], video_grid_thw=inputs["video_grid_thw"], attention_mask=inputs["attention_mask"]
+            inputs["input_ids"],
+            inputs["mm_token_type_ids"],
+            video_grid_thw=inputs["video_grid_thw"],
+            attention_mask=inputs["attention_mask"],
         )
         return positions
 
@@ -118,13 +131,24 @@ class QwenVideoAdapter:
     def received_attention(self, captured: dict, grid_thw: torch.Tensor) -> torch.Tensor:
         """(N,) attention each merged token's patches receive in the last ViT block (see
         `vision_attention.py`), in LLM order."""
-        per_unit = received_attention(captured, self.vision_rotary, self.model.config.vision_config.spatial_merge_size**2)
+        per_unit = received_attention(
+            captured, self.vision_rotary, self.model.config.vision_config.spatial_merge_size**2
+        )
         order = self.unit_order(grid_thw)
         return per_unit if order is None else per_unit[order]
 
     @torch.inference_mode()
-    def build_compressed_inputs(self, prompt: str, video: DecodedVideo, plan: ResizePlan, compress, retention: float, seed: int = 0,
-                                needs_attention: bool = False, pairs: list[torch.Tensor] | None = None) -> tuple[dict, torch.Tensor]:  # fmt: skip
+    def build_compressed_inputs(
+        self,
+        prompt: str,
+        video: DecodedVideo,
+        plan: ResizePlan,
+        compress,
+        retention: float,
+        seed: int = 0,
+        needs_attention: bool = False,
+        pairs: list[torch.Tensor] | None = None,
+    ) -> tuple[dict, torch.Tensor]:
         """Inputs for `plan` with its merged visual tokens compressed by `compress` to
         round(retention * N) tokens; kept tokens keep their full-sequence M-RoPE positions and text
         after the video keeps its positions. Returns (inputs for `generate`, group sizes (K,))."""
@@ -133,7 +157,9 @@ class QwenVideoAdapter:
         full = self.build_inputs(prompt, video, plan, pairs)
         positions = self.full_positions(full)
         with last_block_input(self.model) if needs_attention else nullcontext({}) as captured:
-            encoded = self.model.model.get_video_features(full["pixel_values_videos"], full["video_grid_thw"], return_dict=True)
+            encoded = self.model.model.get_video_features(
+                full["pixel_values_videos"], full["video_grid_thw"], return_dict=True
+            )
         features = torch.cat(encoded.pooler_output)
         tokens = VisualTokens(
             features=features,
@@ -141,7 +167,9 @@ class QwenVideoAdapter:
             grids=plan.grids,
             received_attention=self.received_attention(captured, full["video_grid_thw"]) if needs_attention else None,
         )
-        assignment = compress(tokens, kept_count(retention, features.shape[0], len(plan.grids)), seed).to(features.device)
+        assignment = compress(tokens, kept_count(retention, features.shape[0], len(plan.grids)), seed).to(
+            features.device
+        )
         deepstack = getattr(encoded, "deepstack_features", None)
         extra = [torch.cat(layer) for layer in deepstack] if deepstack is not None else []
         kept, sizes, (merged, *merged_deepstack) = merge_groups(assignment, features, *extra)
@@ -163,7 +191,14 @@ class QwenVideoAdapter:
 
     # ------------------------------------------------------------------ generation
     @torch.inference_mode()
-    def generate(self, inputs: dict, max_new_tokens: int = 128, temperature: float = 0.0, top_p: float | None = None, num_beams: int = 1) -> tuple[str, int]:
+    def generate(
+        self,
+        inputs: dict,
+        max_new_tokens: int = 128,
+        temperature: float = 0.0,
+        top_p: float | None = None,
+        num_beams: int = 1,
+    ) -> tuple[str, int]:
         """Generate from `build_inputs` output; returns (text, number of generated tokens)."""
         text, tokens = self.generate_ids(inputs, max_new_tokens, temperature, top_p, num_beams)
         return text, int(tokens.numel())
@@ -177,10 +212,21 @@ class QwenVideoAdapter:
         return outputs
 
     @torch.inference_mode()
-    def generate_ids(self, inputs: dict, max_new_tokens: int = 128, temperature: float = 0.0, top_p: float | None = None, num_beams: int = 1) -> tuple[str, torch.Tensor]:
+    def generate_ids(
+        self,
+        inputs: dict,
+        max_new_tokens: int = 128,
+        temperature: float = 0.0,
+        top_p: float | None = None,
+        num_beams: int = 1,
+    ) -> tuple[str, torch.Tensor]:
         """Generate from `build_inputs` output; returns (text, generated token ids (L,))."""
         self.model.model.rope_deltas = None  # never reuse positions cached by an earlier call
-        sampling = dict(do_sample=True, temperature=temperature, top_p=top_p) if temperature and temperature > 0 else dict(do_sample=False)
+        sampling = (
+            dict(do_sample=True, temperature=temperature, top_p=top_p)
+            if temperature and temperature > 0
+            else dict(do_sample=False)
+        )
         out = self.model.generate(
             **inputs,
             max_new_tokens=max_new_tokens,
@@ -192,7 +238,6 @@ class QwenVideoAdapter:
         new_tokens = out[0, inputs["input_ids"].shape[1] :]
         return self.tokenizer.decode(new_tokens, skip_special_tokens=True), new_tokens
 
-
     def sequence_logprobs(self, inputs: dict, response_ids: torch.Tensor) -> torch.Tensor:
         """Log-probabilities (L,) of `response_ids` (L,) following the prompt in `inputs`, with
         gradients (teacher forcing; temperature 1). Used by the backbone's PPO update."""
@@ -200,8 +245,12 @@ class QwenVideoAdapter:
         ids = torch.cat([inputs["input_ids"], response_ids[None].to(inputs["input_ids"].device)], dim=1)
         extra = response_ids.numel()
         batch = dict(inputs, input_ids=ids)
-        batch["attention_mask"] = torch.cat([inputs["attention_mask"], inputs["attention_mask"].new_ones(1, extra)], dim=1)
-        batch["mm_token_type_ids"] = torch.cat([inputs["mm_token_type_ids"], inputs["mm_token_type_ids"].new_zeros(1, extra)], dim=1)
+        batch["attention_mask"] = torch.cat(
+            [inputs["attention_mask"], inputs["attention_mask"].new_ones(1, extra)], dim=1
+        )
+        batch["mm_token_type_ids"] = torch.cat(
+            [inputs["mm_token_type_ids"], inputs["mm_token_type_ids"].new_zeros(1, extra)], dim=1
+        )
         if "position_ids" in inputs:
             pos = inputs["position_ids"]
             tail = pos[..., -1:] + torch.arange(1, extra + 1, device=pos.device)
@@ -231,7 +280,12 @@ class Qwen25VLAdapter(QwenVideoAdapter):
         """The vision tower runs its blocks in window order; its merger output is put back with
         argsort(window_index), so merged token i is window-order unit argsort(window_index)[i]."""
         vision = self.model.config.vision_config
-        window_index, _ = get_vision_window_index(grid_thw, spatial_merge_size=vision.spatial_merge_size, window_size=vision.window_size, patch_size=vision.patch_size)
+        window_index, _ = get_vision_window_index(
+            grid_thw,
+            spatial_merge_size=vision.spatial_merge_size,
+            window_size=vision.window_size,
+            patch_size=vision.patch_size,
+        )
         return torch.argsort(window_index)
 
 

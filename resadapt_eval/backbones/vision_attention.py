@@ -20,7 +20,12 @@ def last_block_input(model):
     captured = {}
 
     def capture(module, args, kwargs):
-        captured.update(module=module, hidden_states=args[0], cu_seqlens=kwargs["cu_seqlens"], position_embeddings=kwargs["position_embeddings"])
+        captured.update(
+            module=module,
+            hidden_states=args[0],
+            cu_seqlens=kwargs["cu_seqlens"],
+            position_embeddings=kwargs["position_embeddings"],
+        )
 
     hook = model.model.visual.blocks[-1].attn.register_forward_pre_hook(capture, with_kwargs=True)
     try:

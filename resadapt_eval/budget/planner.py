@@ -46,14 +46,20 @@ class Planner:
         """Visual tokens of `num_frames` frames at the base size."""
         return self.plan(np.ones(num_frames), base_hw).reference_tokens
 
-    def fit(self, scales: Sequence[Sequence[float]], base_hws: Sequence[tuple[int, int]], target: float | None) -> list[np.ndarray]:
+    def fit(
+        self, scales: Sequence[Sequence[float]], base_hws: Sequence[tuple[int, int]], target: float | None
+    ) -> list[np.ndarray]:
         """An allocation over the items of one request (scales[i] for item i at base_hws[i]):
         clipped to [s_min, s_max] without a target, else projected jointly onto `target`."""
         if target is None:
             return [np.clip(np.asarray(s, dtype=np.float64), self.spec.s_min, self.spec.s_max) for s in scales]
-        return project_jointly(scales, target, base_hws, self.grid, self.spec.s_min, self.spec.s_max, **self.spec.plan_bounds)
+        return project_jointly(
+            scales, target, base_hws, self.grid, self.spec.s_min, self.spec.s_max, **self.spec.plan_bounds
+        )
 
-    def select(self, raw: np.ndarray, base_hw: tuple[int, int], operator: str, top_k: int | None, threshold: float | None):
+    def select(
+        self, raw: np.ndarray, base_hw: tuple[int, int], operator: str, top_k: int | None, threshold: float | None
+    ):
         """Frame selection over candidate frames with the Allocator's scales `raw` (T,): the best
         (`top_k` and/or scale >= `threshold`) are kept in time order, at the base size
         (`select`) or at their scales (`select_resize`), projected so the tokens stay within

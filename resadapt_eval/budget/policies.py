@@ -56,7 +56,9 @@ def vanilla(num_frames: int, base_hw: tuple[int, int], grid: TokenGrid, spec: Bu
     return np.ones(num_frames)
 
 
-def fixed_scale(num_frames: int, base_hw: tuple[int, int], grid: TokenGrid, spec: BudgetSpec, context=None) -> np.ndarray:
+def fixed_scale(
+    num_frames: int, base_hw: tuple[int, int], grid: TokenGrid, spec: BudgetSpec, context=None
+) -> np.ndarray:
     """One scale for all frames: the largest in [s_min, s_max] whose plan keeps R <= retention."""
     if spec.retention is None:
         raise ValueError("fixed_scale needs a target retention (model_args retention=...)")

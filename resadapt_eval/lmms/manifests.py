@@ -34,4 +34,7 @@ def model_names() -> dict[str, tuple[str, list[str]]]:
 def manifests() -> list:
     from lmms_eval.models.registry_v2 import ModelManifest
 
-    return [ModelManifest(model_id=name, chat_class_path=path, aliases=tuple(aliases)) for name, (path, aliases) in model_names().items()]
+    return [
+        ModelManifest(model_id=name, chat_class_path=path, aliases=tuple(aliases))
+        for name, (path, aliases) in model_names().items()
+    ]

@@ -13,21 +13,20 @@ import time
 from pathlib import Path
 from typing import get_args, get_type_hints
 
-from loguru import logger
-from tqdm import tqdm
-
 from lmms_eval.api.instance import GenerationResult, Instance, TokenCounts
 from lmms_eval.api.model import lmms
 from lmms_eval.models.model_utils.gen_metrics import log_metrics
 from lmms_eval.protocol import ChatMessages
 from lmms_eval.utils import sanitize_model_name
+from loguru import logger
+from tqdm import tqdm
 
 from ..backbones.qwen import Qwen3VLAdapter, Qwen25VLAdapter, QwenVideoAdapter
 from ..budget.policies import BudgetSpec
 from ..methods import METHODS
 from ..pipeline import Request, VideoPipeline, VideoPipelineConfig
 from ..record import SampleRecord
-from .manifests import BACKBONES, class_name
+from .manifests import class_name
 
 
 def _none_or(value, cast):
@@ -65,12 +64,23 @@ class ResAdaptQwen(lmms):
     fixed_method: str | None = None  # set on the `<method>_<backbone>` classes
     chunk_size = 1  # requests per `VideoPipeline.run_batch` call: the HF path answers one at a time
 
-    def __init__(self, pretrained: str, device: str | None = None, dtype: str = "auto", attn_implementation: str | None = None,
-                 sidecar_dir: str | None = None, batch_size: int | str = 1, max_batch_size: int | None = None, **model_args):  # fmt: skip
+    def __init__(
+        self,
+        pretrained: str,
+        device: str | None = None,
+        dtype: str = "auto",
+        attn_implementation: str | None = None,
+        sidecar_dir: str | None = None,
+        batch_size: int | str = 1,
+        max_batch_size: int | None = None,
+        **model_args,
+    ):
         super().__init__()
         method = model_args.pop("method", None)
         if self.fixed_method and method not in (None, self.fixed_method):
-            raise ValueError(f"{type(self).__name__} runs method={self.fixed_method}; use resadapt_<backbone> for method={method}")
+            raise ValueError(
+                f"{type(self).__name__} runs method={self.fixed_method}; use resadapt_<backbone> for method={method}"
+            )
         if int(batch_size) != 1:
             raise ValueError("resadapt models run batch_size=1 (each sample has its own per-pair sizes)")
         config = config_from_model_args(method=method or self.fixed_method or "vanilla", **model_args)
@@ -83,19 +93,27 @@ class ResAdaptQwen(lmms):
             self._world_size = self.accelerator.num_processes
         device = device or ("cuda" if _cuda_available() else "cpu")
         self.method, self.strict = config.method, config.strict
-        backbone = self._build_backbone(str(pretrained), config, device=device, dtype=dtype, attn_implementation=_none_or(attn_implementation, str))
+        backbone = self._build_backbone(
+            str(pretrained), config, device=device, dtype=dtype, attn_implementation=_none_or(attn_implementation, str)
+        )
         self.pipeline = VideoPipeline(backbone, config)
         self.batch_size_per_gpu = 1
         self.sidecar_path = self._sidecar_path(sidecar_dir, str(pretrained))
 
-    def _build_backbone(self, pretrained: str, config: VideoPipelineConfig, device: str, dtype: str, attn_implementation: str | None):
+    def _build_backbone(
+        self, pretrained: str, config: VideoPipelineConfig, device: str, dtype: str, attn_implementation: str | None
+    ):
         """The engine `VideoPipeline` drives: here the HF adapter."""
-        return self.adapter_cls.from_pretrained(pretrained, device=device, dtype=dtype, attn_implementation=attn_implementation)
+        return self.adapter_cls.from_pretrained(
+            pretrained, device=device, dtype=dtype, attn_implementation=attn_implementation
+        )
 
     def _sidecar_path(self, sidecar_dir: str | None, pretrained: str) -> Path:
         if sidecar_dir is None:
             output_path = lmms_eval_output_path()
-            sidecar_dir = Path(output_path) / sanitize_model_name(pretrained) if output_path else Path("resadapt_sidecars")
+            sidecar_dir = (
+                Path(output_path) / sanitize_model_name(pretrained) if output_path else Path("resadapt_sidecars")
+            )
         stamp = time.strftime("%Y%m%dT%H%M%S")
         return Path(sidecar_dir) / f"resadapt_samples_{stamp}_rank{self.rank}.jsonl"
 
@@ -104,7 +122,10 @@ class ResAdaptQwen(lmms):
         self.sidecar_path.parent.mkdir(parents=True, exist_ok=True)
         results, records = [], []
         desc = f"{type(self).__name__} [{self.method}]"
-        with open(self.sidecar_path, "a", encoding="utf-8") as sidecar, tqdm(total=len(requests), disable=self.rank != 0, desc=desc) as bar:
+        with (
+            open(self.sidecar_path, "a", encoding="utf-8") as sidecar,
+            tqdm(total=len(requests), disable=self.rank != 0, desc=desc) as bar,
+        ):
             for start in range(0, len(requests), self.chunk_size):
                 chunk = requests[start : start + self.chunk_size]
                 for text, record in self._answer_chunk(chunk):
@@ -124,7 +145,9 @@ class ResAdaptQwen(lmms):
         for instance in instances:
             _, doc_to_messages, gen_kwargs, doc_id, task, split = instance.args
             try:
-                requests.append(self._request(doc_to_messages(self.task_dict[task][split][doc_id]), gen_kwargs, doc_id, task))
+                requests.append(
+                    self._request(doc_to_messages(self.task_dict[task][split][doc_id]), gen_kwargs, doc_id, task)
+                )
             except Exception as exc:
                 if self.strict:
                     raise
@@ -138,9 +161,14 @@ class ResAdaptQwen(lmms):
                 text, record = next(answered)
             else:
                 _, _, _, doc_id, task, _ = instance.args
-                text, record = "", self.pipeline.record(Request("", doc_id=doc_id, task=task), None, None, None, None, None, request)
+                text, record = (
+                    "",
+                    self.pipeline.record(Request("", doc_id=doc_id, task=task), None, None, None, None, None, request),
+                )
             if record.error is not None:
-                logger.warning(f"doc {record.doc_id} of {record.task} failed, recorded in {self.sidecar_path}: {record.error}")
+                logger.warning(
+                    f"doc {record.doc_id} of {record.task} failed, recorded in {self.sidecar_path}: {record.error}"
+                )
             answers.append((_cut_at_stop(text, until), record))
         return answers
 
@@ -149,12 +177,25 @@ class ResAdaptQwen(lmms):
         messages = ChatMessages(messages=messages)
         images, videos, _ = messages.extract_media()
         if (images and videos) or len(videos) > 1 or not (images or videos):
-            raise ValueError(f"expected one video or one or more images, got {len(videos)} video(s) and {len(images)} image(s)")
+            raise ValueError(
+                f"expected one video or one or more images, got {len(videos)} video(s) and {len(images)} image(s)"
+            )
         hf_messages = messages.to_hf_messages()
-        prompt = self.pipeline.layout.processor.apply_chat_template(hf_messages, tokenize=False, add_generation_prompt=True)
-        query = " ".join(part["text"] for m in hf_messages if m["role"] == "user" for part in m["content"] if part["type"] == "text")
-        return Request(prompt, video=videos[0] if videos else None, images=tuple(images), query=query,
-                       gen_kwargs=_generation_args(gen_kwargs), doc_id=doc_id, task=task)  # fmt: skip
+        prompt = self.pipeline.layout.processor.apply_chat_template(
+            hf_messages, tokenize=False, add_generation_prompt=True
+        )
+        query = " ".join(
+            part["text"] for m in hf_messages if m["role"] == "user" for part in m["content"] if part["type"] == "text"
+        )
+        return Request(
+            prompt,
+            video=videos[0] if videos else None,
+            images=tuple(images),
+            query=query,
+            gen_kwargs=_generation_args(gen_kwargs),
+            doc_id=doc_id,
+            task=task,
+        )
 
     def _log_run(self, records: list[SampleRecord]) -> None:
         """Run totals into lmms-eval's results JSON (`throughput`, as avg_resadapt_* keys)."""
@@ -190,7 +231,10 @@ def config_from_model_args(**model_args) -> VideoPipelineConfig:
     fields.pop("budget")
     unknown = sorted(set(model_args) - set(fields))
     if unknown:
-        raise ValueError(f"unknown model_args {', '.join(unknown)}; known: pretrained, device, dtype, attn_implementation, sidecar_dir, {', '.join(fields)}")
+        raise ValueError(
+            f"unknown model_args {', '.join(unknown)}; known: pretrained, device, dtype, attn_implementation, "
+            f"sidecar_dir, {', '.join(fields)}"
+        )
     values = {name: _cast(name, value, fields[name]) for name, value in model_args.items()}
     budget = BudgetSpec(**{name: values.pop(name) for name in get_type_hints(BudgetSpec) if name in values})
     return VideoPipelineConfig(budget=budget, **values)
@@ -261,8 +305,12 @@ def __getattr__(name: str) -> type:
     bases = {"qwen25vl": ResAdaptQwen25VL, "qwen3vl": ResAdaptQwen3VL}
     for method in METHODS:
         for backbone, base in bases.items():
-            if method != "resadapt" and class_name(method, backbone) == name:  # resadapt_<backbone>: the any-method class
+            if (
+                method != "resadapt" and class_name(method, backbone) == name
+            ):  # resadapt_<backbone>: the any-method class
                 doc = f"{base.__name__} with method={method}."
-                cls = globals()[name] = type(name, (base,), {"fixed_method": method, "__module__": __name__, "__doc__": doc})
+                cls = globals()[name] = type(
+                    name, (base,), {"fixed_method": method, "__module__": __name__, "__doc__": doc}
+                )
                 return cls
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

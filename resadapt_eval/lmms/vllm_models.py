@@ -53,12 +53,16 @@ class ResAdaptQwenVLLM(ResAdaptQwen):
             raise ValueError(f"chunk_size must be at least 1, got {chunk_size}")
         super().__init__(pretrained, **kwargs)
 
-    def _build_backbone(self, pretrained: str, config: VideoPipelineConfig, device: str, dtype: str, attn_implementation: str | None):
+    def _build_backbone(
+        self, pretrained: str, config: VideoPipelineConfig, device: str, dtype: str, attn_implementation: str | None
+    ):
         from ..backbones.vllm_engine import VLLMBackbone
 
         if attn_implementation is not None:
             raise ValueError("attn_implementation is an HF-path setting; vLLM picks its own attention backend")
-        return VLLMBackbone(self.family, pretrained, config.max_num_frames, dtype=dtype, allocator_device=device, **self.engine_args)
+        return VLLMBackbone(
+            self.family, pretrained, config.max_num_frames, dtype=dtype, allocator_device=device, **self.engine_args
+        )
 
 
 class ResAdaptQwen25VLVLLM(ResAdaptQwenVLLM):

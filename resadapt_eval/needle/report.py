@@ -22,8 +22,8 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
 from ..budget.plan import pair_frames, reduce_pair_scales  # noqa: E402
-from ..report.collect import CellRun, collect  # noqa: E402
 from ..methods import METHODS  # noqa: E402
+from ..report.collect import CellRun, collect  # noqa: E402
 
 
 def pair_scale_of(scales) -> np.ndarray:
@@ -71,8 +71,17 @@ def summarize_cell(run: CellRun, rows: dict[str, dict]) -> CellSummary:
     hits = [evidence_is_highest(r["scales"], rows[str(Path(r["video"]).resolve())]["evidence_pair"]) for r in records]
     acc = float(np.mean(scores)) if scores else float("nan")
     frac = float(np.mean(hits)) if hits else float("nan")
-    return CellSummary(run.method, run.retention, run.achieved_retention() or float("nan"), acc, binomial_se(acc, len(scores)), frac,
-                       binomial_se(frac, len(hits)), len(scores), run.path)  # fmt: skip
+    return CellSummary(
+        run.method,
+        run.retention,
+        run.achieved_retention() or float("nan"),
+        acc,
+        binomial_se(acc, len(scores)),
+        frac,
+        binomial_se(frac, len(hits)),
+        len(scores),
+        run.path,
+    )
 
 
 def summarize(run_dir: str | Path, data: str | Path) -> list[CellSummary]:
@@ -83,11 +92,17 @@ def summarize(run_dir: str | Path, data: str | Path) -> list[CellSummary]:
 
 
 def to_markdown(cells: list[CellSummary]) -> str:
-    lines = ["| method | R target | R achieved | accuracy % | evidence pair highest % | n |", "|---|---|---|---|---|---|"]
+    lines = [
+        "| method | R target | R achieved | accuracy % | evidence pair highest % | n |",
+        "|---|---|---|---|---|---|",
+    ]
     for c in cells:
         target = "-" if c.retention is None else f"{c.retention:g}"
-        lines.append(f"| {METHODS[c.method].display_name} | {target} | {c.achieved_retention:.3f} | {100 * c.accuracy:.1f} ± {100 * c.accuracy_se:.1f} | "
-                     f"{100 * c.evidence_fraction:.1f} ± {100 * c.evidence_se:.1f} | {c.n} |")  # fmt: skip
+        lines.append(
+            f"| {METHODS[c.method].display_name} | {target} | {c.achieved_retention:.3f} | "
+            f"{100 * c.accuracy:.1f} ± {100 * c.accuracy_se:.1f} | "
+            f"{100 * c.evidence_fraction:.1f} ± {100 * c.evidence_se:.1f} | {c.n} |"
+        )
     return "\n".join(lines)
 
 
@@ -98,8 +113,17 @@ def evidence_plot(run: CellRun, rows: dict[str, dict], out: Path, videos: int = 
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
     for rec in records[:videos]:
         frames = rows[str(Path(rec["video"]).resolve())]["evidence_frames"]
-        line = left.plot(range(len(rec["scales"])), rec["scales"], marker=".", linewidth=1.2, label=f"#{rec['doc_id']}")[0]
-        left.plot(frames, [rec["scales"][t] for t in frames], "o", markersize=10, markerfacecolor="none", color=line.get_color())
+        line = left.plot(
+            range(len(rec["scales"])), rec["scales"], marker=".", linewidth=1.2, label=f"#{rec['doc_id']}"
+        )[0]
+        left.plot(
+            frames,
+            [rec["scales"][t] for t in frames],
+            "o",
+            markersize=10,
+            markerfacecolor="none",
+            color=line.get_color(),
+        )
     left.set_xlabel("frame index (circles: the evidence pair)")
     left.set_ylabel("scale $s_t$ (after projection)")
     left.set_title(f"{METHODS[run.method].display_name}, R={run.retention}: per-frame scales", fontsize=10)
@@ -128,7 +152,9 @@ def evidence_plot(run: CellRun, rows: dict[str, dict], out: Path, videos: int = 
     return paths
 
 
-def write_report(run_dir: str | Path, data: str | Path, out: str | Path | None = None) -> tuple[list[CellSummary], list[Path]]:
+def write_report(
+    run_dir: str | Path, data: str | Path, out: str | Path | None = None
+) -> tuple[list[CellSummary], list[Path]]:
     """`summary.md` and one evidence plot per cell whose scales vary within videos, under `out`
     (default RUN_DIR/needle)."""
     out = Path(out) if out else Path(run_dir) / "needle"

@@ -29,7 +29,7 @@ TASK_METRICS = {
         ("charades_sta_IOU@5", "charades_r0.5"),
         ("charades_sta_IOU@7", "charades_r0.7"),
         ("charades_sta_mIOU", "charades_miou"),
-    ],  # fmt: skip
+    ],
     "mmmu_val": [("mmmu_acc", "mmmu_val")],
     "ocrbench": [("ocrbench_accuracy", "ocrbench")],
     "chartqa": [("relaxed_overall", "chartqa")],

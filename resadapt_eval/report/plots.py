@@ -12,9 +12,9 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
+from ..methods import METHODS  # noqa: E402
 from ..train.trainer import gini  # noqa: E402
 from .collect import CellRun  # noqa: E402
-from ..methods import METHODS  # noqa: E402
 
 
 def _save(fig, out: Path, stem: str) -> list[Path]:
@@ -30,7 +30,11 @@ def pareto_lines(runs: list[CellRun], column: str, frames: int) -> dict[str, lis
     """method -> (achieved R, score) points sorted by R, for one score column and frame count."""
     lines = {}
     for method in METHODS:
-        points = sorted((r.achieved_retention(), r.scores[column]) for r in runs if r.method == method and r.frames == frames and column in r.scores and r.achieved_retention() is not None)
+        points = sorted(
+            (r.achieved_retention(), r.scores[column])
+            for r in runs
+            if r.method == method and r.frames == frames and column in r.scores and r.achieved_retention() is not None
+        )
         if points:
             lines[method] = points
     return lines

@@ -61,7 +61,13 @@ def build_tables(runs: list[CellRun], paper_dir: Path | None = None) -> list[Tab
         )
         paper = read_paper(paper_dir / f"{name}.csv") if paper_dir else []
         for run in ordered:
-            row = dict(card=run.card, frames=run.frames, method=METHODS[run.method].display_name, target=run.retention, R=run.achieved_retention(name))
+            row = dict(
+                card=run.card,
+                frames=run.frames,
+                method=METHODS[run.method].display_name,
+                target=run.retention,
+                R=run.achieved_retention(name),
+            )
             row.update({c: run.scores.get(c) for c in columns})
             if paper_dir:
                 match = paper_row(paper, run)
@@ -90,10 +96,13 @@ def paper_row(rows: list[dict], run: CellRun) -> dict | None:
         return abs(_number(r["retention"]) - target) if _number(r.get("retention")) is not None else 0.0
 
     candidates = [
-        r for r in rows
-        if r.get("backbone") == run.paper_backbone and r.get("method") == METHODS[run.method].display_name
-        and ("frames" not in r or str(r["frames"]) == str(run.frames)) and gap(r) <= PAPER_R_TOLERANCE
-    ]  # fmt: skip
+        r
+        for r in rows
+        if r.get("backbone") == run.paper_backbone
+        and r.get("method") == METHODS[run.method].display_name
+        and ("frames" not in r or str(r["frames"]) == str(run.frames))
+        and gap(r) <= PAPER_R_TOLERANCE
+    ]
     return min(candidates, key=gap, default=None)
 
 
@@ -132,7 +141,12 @@ def _score_index(table: Table, col: str, with_paper: bool) -> int:
 
 def to_markdown(table: Table, with_paper: bool = False) -> str:
     best = table.best()
-    lines = [f"### {table.title}", "", "| " + " | ".join(_header(table, with_paper)) + " |", "|" + "---|" * len(_header(table, with_paper))]
+    lines = [
+        f"### {table.title}",
+        "",
+        "| " + " | ".join(_header(table, with_paper)) + " |",
+        "|" + "---|" * len(_header(table, with_paper)),
+    ]
     for i, row in enumerate(table.rows):
         cells = _cells(table, row, with_paper)
         for col in table.columns:
@@ -147,7 +161,12 @@ def to_latex(table: Table, with_paper: bool = False) -> str:
     best = table.best()
     head = _header(table, with_paper)
     esc = lambda s: s.replace("%", r"\%").replace("_", r"\_").replace("Δ", r"$\Delta$").replace("—", "--")  # noqa: E731
-    lines = [r"\begin{tabular}{lll" + "c" * (len(head) - 3) + "}", r"\toprule", " & ".join(esc(h) for h in head) + r" \\", r"\midrule"]
+    lines = [
+        r"\begin{tabular}{lll" + "c" * (len(head) - 3) + "}",
+        r"\toprule",
+        " & ".join(esc(h) for h in head) + r" \\",
+        r"\midrule",
+    ]
     last_group = None
     for i, row in enumerate(table.rows):
         group = (row["card"], row["frames"], row["target"])

@@ -60,9 +60,21 @@ class HFRolloutEngine:
     (lo, hi). seed: for the choice sampler and the per-prompt R.
     """
 
-    def __init__(self, adapter: QwenVideoAdapter, max_num_frames: int, budget: BudgetSpec, min_pixels: int | None = None, max_pixels: int | None = None,
-                 max_new_tokens: int = 32, temperature: float = 1.0, check_format: bool = False, answer: str = "generate", choices: str = "ABCD",
-                 retention: float | tuple[float, float] | None = None, seed: int = 0):  # fmt: skip
+    def __init__(
+        self,
+        adapter: QwenVideoAdapter,
+        max_num_frames: int,
+        budget: BudgetSpec,
+        min_pixels: int | None = None,
+        max_pixels: int | None = None,
+        max_new_tokens: int = 32,
+        temperature: float = 1.0,
+        check_format: bool = False,
+        answer: str = "generate",
+        choices: str = "ABCD",
+        retention: float | tuple[float, float] | None = None,
+        seed: int = 0,
+    ):
         if answer not in ANSWER_MODES:
             raise ValueError(f"answer must be one of {ANSWER_MODES}, got {answer!r}")
         self.adapter, self.max_num_frames, self.budget = adapter, max_num_frames, budget
@@ -74,7 +86,13 @@ class HFRolloutEngine:
             if any(len(i) != 1 for i in ids):
                 raise ValueError(f"every choice letter must be one token; got {dict(zip(choices, ids))}")
             self.choice_ids = torch.tensor([i[0] for i in ids])
-        self.retention = None if retention is None else tuple(retention) if isinstance(retention, (list, tuple)) else (retention, retention)
+        self.retention = (
+            None
+            if retention is None
+            else tuple(retention)
+            if isinstance(retention, (list, tuple))
+            else (retention, retention)
+        )
         if self.retention is not None and not 0 < self.retention[0] <= self.retention[1]:
             raise ValueError(f"retention must be R > 0 or a range 0 < lo <= hi, got {retention}")
         self.generator = torch.Generator().manual_seed(seed)
@@ -92,21 +110,33 @@ class HFRolloutEngine:
     def answers(self, inputs: dict, n: int) -> list[tuple[str, torch.Tensor]]:
         """n responses (text, token ids) to one built input."""
         if self.answer == "generate":
-            return [self.adapter.generate_ids(inputs, max_new_tokens=self.max_new_tokens, temperature=self.temperature) for _ in range(n)]
+            return [
+                self.adapter.generate_ids(inputs, max_new_tokens=self.max_new_tokens, temperature=self.temperature)
+                for _ in range(n)
+            ]
         picks = torch.multinomial(self.choice_probs(inputs), n, replacement=True, generator=self.generator)
         return [(self.choices[k], self.choice_ids[k : k + 1]) for k in picks.tolist()]
 
     def prompt(self, sample: TrainSample) -> Prompt:
         video = decode_video(sample.video, self.max_num_frames)
         base = self.planner.base_hw(video.frames.shape[1:3])
-        messages = [{"role": "user", "content": [{"type": "video", "video": sample.video}, {"type": "text", "text": sample.question}]}]
+        messages = [
+            {
+                "role": "user",
+                "content": [{"type": "video", "video": sample.video}, {"type": "text", "text": sample.question}],
+            }
+        ]
         chat = self.adapter.processor.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        return Prompt(frames=video.frames, query=sample.question, sample=sample, state=dict(video=video, base=base, chat=chat))
+        return Prompt(
+            frames=video.frames, query=sample.question, sample=sample, state=dict(video=video, base=base, chat=chat)
+        )
 
     def rollouts(self, prompt: Prompt, scales: np.ndarray, n: int, keep_backbone_inputs: bool = False) -> Rollouts:
         sample: TrainSample = prompt.sample
         if self.answer == "choice_logits" and sample.task_type != "multiple_choice":
-            raise ValueError(f"answer=choice_logits scores multiple-choice samples only; {sample.video} is {sample.task_type!r}")
+            raise ValueError(
+                f"answer=choice_logits scores multiple-choice samples only; {sample.video} is {sample.task_type!r}"
+            )
         rewards, correct, retention, backbone = [], [], [], []
         base = prompt.state["base"]
         if self.retention is not None:
@@ -124,7 +154,12 @@ class HFRolloutEngine:
                 row_u.append(is_correct(sample.task_type, score))
                 row_b.append((inputs, ids))
             rewards.append(row_r), correct.append(row_u), retention.append(plan.retention), backbone.append(row_b)
-        return Rollouts(torch.tensor(rewards), torch.tensor(correct), torch.tensor(retention), backbone if keep_backbone_inputs else None)
+        return Rollouts(
+            torch.tensor(rewards),
+            torch.tensor(correct),
+            torch.tensor(retention),
+            backbone if keep_backbone_inputs else None,
+        )
 
 
 @dataclass
@@ -163,7 +198,17 @@ class SimulatedBackbone:
     so the evidence frames' scale decides the answer and the other frames help only a little.
     R per allocation is the paper's approximation mean(s_t^2)."""
 
-    def __init__(self, s_read: float = 0.7, k_ev: float = 15.0, k_ctx: float = 0.3, p_min: float = 0.1, p_max: float = 0.9, noise: float = 0.1, threshold: float = 0.35, seed: int = 0):
+    def __init__(
+        self,
+        s_read: float = 0.7,
+        k_ev: float = 15.0,
+        k_ctx: float = 0.3,
+        p_min: float = 0.1,
+        p_max: float = 0.9,
+        noise: float = 0.1,
+        threshold: float = 0.35,
+        seed: int = 0,
+    ):
         self.s_read, self.k_ev, self.k_ctx, self.p_min, self.p_max = s_read, k_ev, k_ctx, p_min, p_max
         self.noise, self.threshold = noise, threshold
         self.rng = np.random.default_rng(seed)
@@ -179,4 +224,8 @@ class SimulatedBackbone:
     def rollouts(self, prompt: Prompt, scales: np.ndarray, n: int, keep_backbone_inputs: bool = False) -> Rollouts:
         q = self.quality(scales, prompt.sample.evidence)
         score = np.clip(q[:, None] + self.rng.normal(0, self.noise, (len(scales), n)), 0, 1).astype(np.float32)
-        return Rollouts(torch.from_numpy(score), torch.from_numpy((score > self.threshold).astype(np.float32)), torch.from_numpy((scales**2).mean(axis=1)))
+        return Rollouts(
+            torch.from_numpy(score),
+            torch.from_numpy((score > self.threshold).astype(np.float32)),
+            torch.from_numpy((scales**2).mean(axis=1)),
+        )
