@@ -47,7 +47,7 @@ class ResAdaptQwen(lmms):
     model_args: pretrained (path or hub id), method (a registered method: vanilla | random_drop |
     tome | visionzip | flashvid | fixed_scale | resadapt), retention (target R; for resadapt the
     Allocator's scales are projected onto it), allocator (checkpoint folder or `builtin`),
-    allocator_inference (mean | quantile | sample), allocator_quantile, allocator_seed,
+    allocator_inference (mean | median | quantile | sample), allocator_quantile, allocator_seed,
     compression_seed (random_drop's subset; the token compressors compress the vanilla plan's
     merged tokens to round(R * N)), operator
     (resize | select | select_resize; selection scores `candidates` frames with the Allocator and
