@@ -1,6 +1,7 @@
 """The needle benchmark's second half: the choice-logits rollout engine, budget-projected rollouts,
 `needle train-allocator`, and the evidence-pair report."""
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -210,6 +211,10 @@ def test_cell_summary_by_hand(tmp_path):
     assert cell.achieved_retention == pytest.approx(0.25)
     assert binomial_se(0.5, 100) == pytest.approx(0.05)
     assert "| ResAdapt | 0.25 | 0.250 | 60.0 ± 21.9 | 75.0 ± 21.7 | 5 |" in to_markdown([cell])
+    # a method whose scales are not the Allocator's has no evidence fraction (all its pairs are equal)
+    fixed = summarize_cell(dataclasses.replace(run, method="fixed_scale"), rows)
+    assert np.isnan(fixed.evidence_fraction) and fixed.accuracy == pytest.approx(0.6)
+    assert "| FixedScale | 0.25 | 0.250 | 60.0 ± 21.9 | - | 5 |" in to_markdown([fixed])
 
 
 def test_committed_needle_allocator_spends_r025_on_the_evidence_pair(tmp_path):

@@ -65,9 +65,11 @@ def load_rows(data: str | Path) -> dict[str, dict]:
 
 
 def summarize_cell(run: CellRun, rows: dict[str, dict]) -> CellSummary:
-    """Accuracy over the cell's logged samples; evidence fraction over its successful sidecar records."""
+    """Accuracy over the cell's logged samples; evidence fraction over its successful sidecar records
+    (NaN for methods whose scales are not the Allocator's: their pairs never differ)."""
     scores = list(run.outcomes.values())
-    records = [r for r in run.records if r["error"] is None and str(Path(r["video"]).resolve()) in rows]
+    allocated = METHODS[run.method].needs_allocator
+    records = [r for r in run.records if allocated and r["error"] is None and str(Path(r["video"]).resolve()) in rows]
     hits = [evidence_is_highest(r["scales"], rows[str(Path(r["video"]).resolve())]["evidence_pair"]) for r in records]
     acc = float(np.mean(scores)) if scores else float("nan")
     frac = float(np.mean(hits)) if hits else float("nan")
@@ -98,10 +100,12 @@ def to_markdown(cells: list[CellSummary]) -> str:
     ]
     for c in cells:
         target = "-" if c.retention is None else f"{c.retention:g}"
+        evidence = (
+            "-" if np.isnan(c.evidence_fraction) else f"{100 * c.evidence_fraction:.1f} ± {100 * c.evidence_se:.1f}"
+        )
         lines.append(
             f"| {METHODS[c.method].display_name} | {target} | {c.achieved_retention:.3f} | "
-            f"{100 * c.accuracy:.1f} ± {100 * c.accuracy_se:.1f} | "
-            f"{100 * c.evidence_fraction:.1f} ± {100 * c.evidence_se:.1f} | {c.n} |"
+            f"{100 * c.accuracy:.1f} ± {100 * c.accuracy_se:.1f} | {evidence} | {c.n} |"
         )
     return "\n".join(lines)
 
