@@ -215,3 +215,38 @@ def test_vllm_models_are_registered_and_say_what_they_need(fixtures_dir):
     if find_spec("vllm") is None:  # this environment: the error names the environment to build
         with pytest.raises(ImportError, match="make test-vllm"):
             ResAdaptQwen3VLVLLM(pretrained=str(fixtures_dir / "qwen3vl"), method="vanilla")
+
+
+def test_data_parallel_on_two_cpu_processes_equals_one_process(fixtures_dir, tmp_path):
+    """`accelerate launch` with 2 CPU processes (gloo; accelerate's ACCELERATE_USE_CPU switch):
+    the same sidecar records and answers as one process, and run totals summed over both ranks."""
+    import os
+
+    model_args = dict(
+        pretrained=fixtures_dir / "qwen25vl", method="fixed_scale", retention=0.25, max_num_frames=8, dtype="float32"
+    )
+    one = run_lmms_eval("resadapt_qwen25vl", model_args, tmp_path / "one")
+    assert one.returncode == 0, one.stderr[-3000:]
+    launcher = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2"]
+    launcher += ["--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no"]
+    cmd = launcher + lmms_eval_command("resadapt_qwen25vl", model_args, TASK, str(REPO / "tasks"), tmp_path / "two")[1:]
+    env = dict(os.environ, ACCELERATE_USE_CPU="true")
+    two = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600, env=env)
+    assert two.returncode == 0, two.stderr[-3000:]
+
+    sidecars = sorted((tmp_path / "two").rglob("resadapt_samples_*.jsonl"))
+    assert [p.name.rsplit("_", 1)[1] for p in sidecars] == ["rank0.jsonl", "rank1.jsonl"]
+    untimed = lambda r: {k: v for k, v in r.items() if not k.endswith("_s")}  # noqa: E731
+    by_doc = {r["doc_id"]: untimed(r) for p in sidecars for r in map(json.loads, p.read_text().splitlines())}
+    assert by_doc == {r["doc_id"]: untimed(r) for r in sidecar_records(tmp_path / "one")}
+
+    def answers(out):
+        (path,) = [p for p in out.rglob("*_samples_*.jsonl") if not p.name.startswith("resadapt_samples_")]
+        return {s["doc_id"]: s["filtered_resps"] for s in map(json.loads, path.read_text().splitlines())}
+
+    assert answers(tmp_path / "two") == answers(tmp_path / "one")
+    totals = [
+        {k: v for k, v in results_json(out)["throughput"].items() if k.startswith("avg_resadapt_")}
+        for out in (tmp_path / "one", tmp_path / "two")
+    ]
+    assert totals[0] == totals[1] and totals[0]["avg_resadapt_samples"] == len(by_doc)

@@ -86,19 +86,19 @@ class ResAdaptQwen(lmms):
         config = config_from_model_args(method=method or self.fixed_method or "vanilla", **model_args)
         from accelerate import Accelerator
 
-        self.accelerator = Accelerator()
-        if self.accelerator.num_processes > 1:
-            device = f"cuda:{self.accelerator.local_process_index}"
-            self._rank = self.accelerator.process_index
-            self._world_size = self.accelerator.num_processes
         device = device or ("cuda" if _cuda_available() else "cpu")
+        self.accelerator = Accelerator()  # lmms-eval's: data parallel when launched by `accelerate launch`
+        self._rank, self._world_size = self.accelerator.process_index, self.accelerator.num_processes
+        if device == "cuda" and self._world_size > 1:
+            device = f"cuda:{self.accelerator.local_process_index}"  # one GPU per process
         self.method, self.strict = config.method, config.strict
         backbone = self._build_backbone(
             str(pretrained), config, device=device, dtype=dtype, attn_implementation=_none_or(attn_implementation, str)
         )
         self.pipeline = VideoPipeline(backbone, config)
         self.batch_size_per_gpu = 1
-        self.sidecar_path = self._sidecar_path(sidecar_dir, str(pretrained))
+        self.sidecar_dir = self._sidecar_dir(sidecar_dir, str(pretrained))
+        self.started = time.strftime("%Y%m%dT%H%M%S")
 
     def _build_backbone(
         self, pretrained: str, config: VideoPipelineConfig, device: str, dtype: str, attn_implementation: str | None
@@ -108,14 +108,17 @@ class ResAdaptQwen(lmms):
             pretrained, device=device, dtype=dtype, attn_implementation=attn_implementation
         )
 
-    def _sidecar_path(self, sidecar_dir: str | None, pretrained: str) -> Path:
-        if sidecar_dir is None:
-            output_path = lmms_eval_output_path()
-            sidecar_dir = (
-                Path(output_path) / sanitize_model_name(pretrained) if output_path else Path("resadapt_sidecars")
-            )
-        stamp = time.strftime("%Y%m%dT%H%M%S")
-        return Path(sidecar_dir) / f"resadapt_samples_{stamp}_rank{self.rank}.jsonl"
+    @staticmethod
+    def _sidecar_dir(sidecar_dir: str | None, pretrained: str) -> Path:
+        if sidecar_dir is not None:
+            return Path(sidecar_dir)
+        output_path = lmms_eval_output_path()
+        return Path(output_path) / sanitize_model_name(pretrained) if output_path else Path("resadapt_sidecars")
+
+    @property
+    def sidecar_path(self) -> Path:
+        """This process's sidecar JSONL; read when generating, after lmms-eval has set the rank."""
+        return self.sidecar_dir / f"resadapt_samples_{self.started}_rank{self.rank}.jsonl"
 
     # ------------------------------------------------------------------ lmms-eval API
     def generate_until(self, requests: list[Instance]) -> list[GenerationResult]:
@@ -128,15 +131,28 @@ class ResAdaptQwen(lmms):
         ):
             for start in range(0, len(requests), self.chunk_size):
                 chunk = requests[start : start + self.chunk_size]
-                for text, record in self._answer_chunk(chunk):
-                    sidecar.write(json.dumps(record.to_dict()) + "\n")
-                    records.append(record)
-                    counts = TokenCounts(input_tokens=record.input_tokens, output_tokens=record.output_tokens)
+                # lmms-eval pads a rank's shard with copies it discards: not run, not recorded
+                padding = [bool((r.metadata or {}).get("__padding_only__")) for r in chunk]
+                answers = iter(self._answer_chunk([r for r, pad in zip(chunk, padding) if not pad]))
+                for pad in padding:
+                    text, record = ("", None) if pad else next(answers)
+                    if record is not None:
+                        sidecar.write(json.dumps(record.to_dict()) + "\n")
+                        records.append(record)
+                    counts = TokenCounts(
+                        input_tokens=record.input_tokens if record else 0,
+                        output_tokens=record.output_tokens if record else 0,
+                    )
                     results.append(GenerationResult(text=text, token_counts=counts))
                 sidecar.flush()
                 bar.update(len(chunk))
         self._log_run(records)
         return results
+
+    @property
+    def device(self):
+        """Where this process's model runs (lmms-eval's evaluator gathers counts on it)."""
+        return self.pipeline.backbone.device
 
     def _answer_chunk(self, instances: list[Instance]) -> list[tuple[str, SampleRecord]]:
         """Answers in request order; a request that fails is recorded (or raised, with strict) and
@@ -198,21 +214,34 @@ class ResAdaptQwen(lmms):
         )
 
     def _log_run(self, records: list[SampleRecord]) -> None:
-        """Run totals into lmms-eval's results JSON (`throughput`, as avg_resadapt_* keys)."""
+        """Run totals into lmms-eval's results JSON (`throughput`, as avg_resadapt_* keys), summed
+        over every process of a data-parallel run."""
         done = [r for r in records if r.error is None]
-        visual = sum(r.visual_tokens for r in done)
-        reference = sum(r.reference_tokens for r in done)
+        totals = dict(
+            samples=len(records),
+            done=len(done),
+            visual=sum(r.visual_tokens for r in done),
+            reference=sum(r.reference_tokens for r in done),
+            retention=sum(r.achieved_retention for r in done),
+            seconds=sum(r.generate_s for r in done),
+            tokens=sum(r.output_tokens for r in done),
+        )
+        if self.world_size > 1:
+            from accelerate.utils import gather_object
+
+            per_rank = gather_object([totals])
+            totals = {key: sum(t[key] for t in per_rank) for key in totals}
         log_metrics(
-            total_elapsed_time=sum(r.generate_s for r in done),
-            total_gen_tokens=sum(r.output_tokens for r in done),
+            total_elapsed_time=totals["seconds"],
+            total_gen_tokens=totals["tokens"],
             avg_speed=0.0,
             additional_metrics={
-                "resadapt_samples": len(records),
-                "resadapt_failed_samples": len(records) - len(done),
-                "resadapt_visual_tokens": visual,
-                "resadapt_reference_tokens": reference,
-                "resadapt_mean_retention": sum(r.achieved_retention for r in done) / len(done) if done else 0.0,
-                "resadapt_pooled_retention": visual / reference if reference else 0.0,
+                "resadapt_samples": totals["samples"],
+                "resadapt_failed_samples": totals["samples"] - totals["done"],
+                "resadapt_visual_tokens": totals["visual"],
+                "resadapt_reference_tokens": totals["reference"],
+                "resadapt_mean_retention": totals["retention"] / totals["done"] if totals["done"] else 0.0,
+                "resadapt_pooled_retention": totals["visual"] / totals["reference"] if totals["reference"] else 0.0,
             },
         )
 
