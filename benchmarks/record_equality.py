@@ -37,8 +37,9 @@ capture --repo REPO --out DIR [--data DATA] [--needle-limit N] [--parts smoke,ne
     both read byte-identical videos, images, JSONL and weights, and a test run that rewrites
     REPO/fixtures (tests/conftest.py calls ensure_fixtures) cannot change or race them. It is
     written by the first capture (with the code that capture imports: use the BEFORE one) from
-    REPO's generated fixtures (`resadapt-eval fixtures`): fixtures/qwen25vl, fixtures/qwen3vl, fixtures/smoke_videoqa (video paths
-    in its JSONL re-pointed at DATA), results/needle/{backbone,allocator}-qwen25vl; plus
+    REPO's generated fixtures (`resadapt-eval fixtures`): fixtures/qwen25vl, fixtures/qwen3vl,
+    fixtures/smoke_videoqa (video paths in its JSONL re-pointed at DATA),
+    results/needle/{backbone,allocator}-qwen25vl; plus
     `write_benchmark_fixtures` (ChartQA etc.) and `ensure_test_split(DATA/needle, N)`, as `cmd_demo`
     does for REPO/fixtures/needle. Its sha256 manifest (DATA/manifest.json) is checked by every later
     capture and copied to DIR/capture.json, where `compare` checks that both captures read the same.
