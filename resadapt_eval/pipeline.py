@@ -61,8 +61,14 @@ class VideoPipelineConfig:
             raise ValueError(f"method={self.method} needs a target retention (model_args retention=...)")
         if method.retention == NO_RETENTION and self.budget.retention is not None:
             raise ValueError(f"method={self.method} has no retention target; drop retention={self.budget.retention}")
-        if self.max_num_frames < 1:
-            raise ValueError(f"max_num_frames must be at least 1, got {self.max_num_frames}")
+        at_least_one = dict(max_num_frames=self.max_num_frames, candidates=self.candidates, top_k=self.top_k)
+        for name, value in at_least_one.items():
+            if value is not None and value < 1:
+                raise ValueError(f"{name} must be at least 1, got {value}")
+        if not 0 < self.allocator_quantile < 1:
+            raise ValueError(f"allocator_quantile must be in (0, 1), got {self.allocator_quantile}")
+        if self.min_pixels is not None and self.max_pixels is not None and self.min_pixels > self.max_pixels:
+            raise ValueError(f"min_pixels={self.min_pixels} exceeds max_pixels={self.max_pixels}")
 
 
 @dataclass(frozen=True)
@@ -143,6 +149,11 @@ class VideoPipeline:
                 "does not expose: run it on the HF path"
             )
         self.layout = backbone.layout
+        token_area = self.layout.grid.token_px**2
+        if config.max_pixels is not None and config.max_pixels < token_area:
+            raise ValueError(
+                f"max_pixels={config.max_pixels} is below one visual token ({token_area} px on this backbone)"
+            )
         self.planner = Planner(self.layout.grid, config.budget, config.min_pixels, config.max_pixels)
         self.allocator = None
         if self.method.needs_allocator:

@@ -45,9 +45,14 @@ class QwenLayout:
     """
 
     family: str
+    model_type: str  # the checkpoint config's `model_type`
     grid: TokenGrid
 
     def __init__(self, processor, config):
+        if config.model_type != self.model_type:
+            raise ValueError(
+                f"the checkpoint is a {config.model_type} model; {self.family} needs a {self.model_type} checkpoint"
+            )
         self.processor = processor
         self.tokenizer = processor.tokenizer
         self.config = config
@@ -82,6 +87,7 @@ class QwenLayout:
 
 class Qwen25VLLayout(QwenLayout):
     family = "qwen25vl"
+    model_type = "qwen2_5_vl"
     grid = QWEN25VL_GRID
 
     def pair_metadata(self, video: DecodedVideo, plan: ResizePlan) -> list[VideoMetadata]:
@@ -99,6 +105,7 @@ class Qwen25VLLayout(QwenLayout):
 
 class Qwen3VLLayout(QwenLayout):
     family = "qwen3vl"
+    model_type = "qwen3_vl"
     grid = QWEN3VL_GRID
 
     def pair_metadata(self, video: DecodedVideo, plan: ResizePlan) -> list[VideoMetadata]:

@@ -7,11 +7,12 @@ decoded frames and the query); the policies here ignore it.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
 
-from .plan import TokenGrid, fixed_scale_for_retention
+from .plan import PAIR_REDUCTIONS, TokenGrid, fixed_scale_for_retention
 
 
 @dataclass(frozen=True)
@@ -34,8 +35,10 @@ class BudgetSpec:
     def __post_init__(self):
         if not 0 < self.s_min <= self.s_max:
             raise ValueError(f"need 0 < s_min <= s_max, got s_min={self.s_min}, s_max={self.s_max}")
-        if self.retention is not None and not 0 < self.retention:
-            raise ValueError(f"retention must be positive, got {self.retention}")
+        if self.retention is not None and not 0 < self.retention < math.inf:
+            raise ValueError(f"retention must be a finite positive number, got {self.retention}")
+        if self.pair_reduction not in PAIR_REDUCTIONS:
+            raise ValueError(f"pair_reduction must be one of {PAIR_REDUCTIONS}, got {self.pair_reduction!r}")
         if self.min_tokens_per_pair < 1:
             raise ValueError(f"min_tokens_per_pair must be at least 1, got {self.min_tokens_per_pair}")
         if self.max_tokens_per_pair is not None and self.max_tokens_per_pair < self.min_tokens_per_pair:

@@ -87,6 +87,7 @@ class ResAdaptQwen(lmms):
         from accelerate import Accelerator
 
         device = device or ("cuda" if _cuda_available() else "cpu")
+        _check_loading(device, dtype)
         self.accelerator = Accelerator()  # lmms-eval's: data parallel when launched by `accelerate launch`
         self._rank, self._world_size = self.accelerator.process_index, self.accelerator.num_processes
         if device == "cuda" and self._world_size > 1:
@@ -290,6 +291,16 @@ def _flag(value) -> bool:
     if text in ("false", "0", "no"):
         return False
     raise ValueError(f"expected true or false, got {value!r}")
+
+
+def _check_loading(device: str, dtype: str) -> None:
+    """Stop at start on a device or dtype the model cannot be loaded with."""
+    import torch
+
+    if str(device).startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"model_args device={device!r}: no CUDA device is available here (use device=cpu)")
+    if dtype != "auto" and not isinstance(getattr(torch, str(dtype), None), torch.dtype):
+        raise ValueError(f"model_args dtype={dtype!r}: expected auto or a torch dtype (float32, bfloat16, float16)")
 
 
 def _cuda_available() -> bool:

@@ -1,0 +1,55 @@
+"""Bad settings stop the model at start with a message naming the argument (no per-sample failures)."""
+
+import pytest
+import torch
+
+from resadapt_eval.lmms.models import ResAdaptQwen25VL
+
+BAD = {
+    "fixed_scale without retention": (dict(method="fixed_scale"), "retention"),
+    "min_pixels above max_pixels": (dict(min_pixels=5000, max_pixels=4000), "min_pixels=5000 exceeds max_pixels=4000"),
+    "max_pixels below one token": (dict(max_pixels=100), "max_pixels=100 is below one visual token"),
+    "unknown pair reduction": (dict(method="fixed_scale", retention=0.25, pair_reduction="median"), "pair_reduction"),
+    "quantile outside (0, 1)": (
+        dict(method="resadapt", allocator="builtin", allocator_quantile=1.5),
+        "allocator_quantile",
+    ),
+    "top_k of 0": (
+        dict(method="resadapt", allocator="builtin", operator="select", top_k=0),
+        "top_k must be at least 1",
+    ),
+    "no candidates": (dict(method="resadapt", allocator="builtin", operator="select", candidates=0), "candidates"),
+    "infinite retention": (dict(method="tome", retention="inf"), "retention must be a finite positive number"),
+    "retention not a number": (dict(method="fixed_scale", retention="abc"), "retention='abc': expected float"),
+    "strict not a boolean": (dict(strict="maybe"), "strict='maybe'"),
+    "unknown dtype": (dict(dtype="bogus"), "dtype='bogus'"),
+    "unknown method": (dict(method="fastv"), "unknown method 'fastv'"),
+    "unknown argument": (dict(retension=0.25), "unknown model_args retension"),
+    "retention for vanilla": (dict(retention=0.25), "has no retention target"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD))
+def test_a_bad_setting_stops_at_start_naming_it(fixtures_dir, case):
+    model_args, message = BAD[case]
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        ResAdaptQwen25VL(
+            pretrained=str(fixtures_dir / "qwen25vl"), dtype=model_args.pop("dtype", "float32"), **model_args
+        )
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="asks for a GPU where there is none")
+def test_cuda_without_a_gpu_names_the_device(fixtures_dir):
+    with pytest.raises(ValueError, match="device='cuda': no CUDA device"):
+        ResAdaptQwen25VL(pretrained=str(fixtures_dir / "qwen25vl"), device="cuda")
+
+
+def test_a_checkpoint_of_the_other_backbone_is_refused(fixtures_dir):
+    with pytest.raises(ValueError, match="is a qwen3_vl model; qwen25vl needs a qwen2_5_vl checkpoint"):
+        ResAdaptQwen25VL(pretrained=str(fixtures_dir / "qwen3vl"), dtype="float32")
+
+
+def test_booleans_are_parsed_strictly(fixtures_dir):
+    for text, value in (("no", False), ("false", False), ("0", False), ("true", True), ("yes", True)):
+        model = ResAdaptQwen25VL(pretrained=str(fixtures_dir / "qwen25vl"), dtype="float32", strict=text)
+        assert model.strict is value and model.pipeline.config.strict is value
