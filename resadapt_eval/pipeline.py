@@ -22,7 +22,7 @@ from .budget.planner import Planner
 from .budget.policies import BudgetSpec
 from .budget.selection import OPERATORS
 from .methods import METHODS, NO_RETENTION, REQUIRED_RETENTION, get_method
-from .record import SampleRecord, error_text
+from .record import SampleRecord, build_record
 from .video import DecodedVideo, decode_video
 
 
@@ -180,7 +180,7 @@ class VideoPipeline:
         answers = []
         for i, request in enumerate(requests):
             stages = (decoded.get(i), scores.get(i), planned.get(i), built.get(i), generated.get(i))
-            record = self.record(request, *stages, failed.get(i))
+            record = build_record(request, self.config, self.layout, *stages, failed.get(i))
             answers.append(("" if record.error else generated[i].text, record))
         return answers
 
@@ -341,65 +341,3 @@ class VideoPipeline:
                     raise exc
                 failed[i] = exc
         return out
-
-    # ------------------------------------------------------------------ the record
-    def record(
-        self,
-        request: Request,
-        decoded: Decoded | None,
-        scores: Scores | None,
-        planned: Planned | None,
-        built: Built | None,
-        generated: Generated | None,
-        error: Exception | None,
-    ) -> SampleRecord:
-        """The sidecar record of one sample, from the stages it completed."""
-        record = SampleRecord(
-            doc_id=request.doc_id,
-            task=request.task,
-            method=self.config.method,
-            video=None if request.video is None else str(request.video),
-            target_retention=self.config.budget.retention,
-            error=error_text(error) if error else None,
-        )
-        if decoded is not None:
-            record.decode_s = decoded.seconds
-        if scores is not None:
-            record.allocator_text_s, record.allocator_visual_s, record.allocator_predict_s = (
-                scores.text_s,
-                scores.visual_s,
-                scores.predict_s,
-            )
-            if scores.raw is not None:
-                record.raw_scales = [round(float(s), 6) for item in scores.raw for s in item]
-        if planned is not None:
-            plans = planned.plans
-            record.num_frames = sum(len(item.indices) for item in planned.items)
-            record.frame_indices = [] if decoded.images else planned.items[0].indices
-            record.base_size = [list(p.base_hw) for p in plans] if decoded.images else list(plans[0].base_hw)
-            record.scales = [round(s, 6) for p in plans for s in p.frame_scales]
-            record.pair_sizes = [list(hw) for p in plans for hw in p.pair_sizes]
-            record.grids = [list(g) for p in plans for g in p.grids]
-            record.reference_tokens = planned.reference_tokens
-            record.candidates = planned.candidates
-            record.allocator_predict_s += planned.projection_s
-            record.preprocess_s = planned.seconds - planned.projection_s
-        if built is not None:
-            record.merged_sizes = list(built.merged_sizes) if built.merged_sizes is not None else None
-            record.scale_apply_s = built.resize_s
-            record.preprocess_s += built.seconds
-        if generated is not None:
-            grid = self.layout.grid
-            record.visual_tokens = generated.prompt_ids.count(self.layout.placeholder_id(decoded.images))
-            record.achieved_retention = record.visual_tokens / record.reference_tokens
-            # full-resolution frames: a video frame is half a pair at the base size, an image a whole one
-            frame_tokens = [
-                grid.tokens(*p.base_hw) / (1 if decoded.images else grid.temporal_patch) for p in planned.plans
-            ]
-            record.frame_budget = record.visual_tokens / sum(frame_tokens) * len(frame_tokens)
-            record.input_tokens, record.output_tokens, record.generate_s = (
-                len(generated.prompt_ids),
-                generated.output_tokens,
-                generated.seconds,
-            )
-        return record

@@ -3,6 +3,11 @@
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .backbones.layout import QwenLayout
+    from .pipeline import Built, Decoded, Generated, Planned, Request, Scores, VideoPipelineConfig
 
 
 @dataclass
@@ -59,3 +64,64 @@ class SampleRecord:
 def error_text(exc: BaseException) -> str:
     """How a failed sample's exception is recorded: its type and message."""
     return f"{type(exc).__name__}: {exc}"
+
+
+def build_record(
+    request: Request,
+    config: VideoPipelineConfig,
+    layout: QwenLayout,
+    decoded: Decoded | None,
+    scores: Scores | None,
+    planned: Planned | None,
+    built: Built | None,
+    generated: Generated | None,
+    error: Exception | None,
+) -> SampleRecord:
+    """The sidecar record of one sample, from the stages it completed."""
+    record = SampleRecord(
+        doc_id=request.doc_id,
+        task=request.task,
+        method=config.method,
+        video=None if request.video is None else str(request.video),
+        target_retention=config.budget.retention,
+        error=error_text(error) if error else None,
+    )
+    if decoded is not None:
+        record.decode_s = decoded.seconds
+    if scores is not None:
+        record.allocator_text_s, record.allocator_visual_s, record.allocator_predict_s = (
+            scores.text_s,
+            scores.visual_s,
+            scores.predict_s,
+        )
+        if scores.raw is not None:
+            record.raw_scales = [round(float(s), 6) for item in scores.raw for s in item]
+    if planned is not None:
+        plans = planned.plans
+        record.num_frames = sum(len(item.indices) for item in planned.items)
+        record.frame_indices = [] if decoded.images else planned.items[0].indices
+        record.base_size = [list(p.base_hw) for p in plans] if decoded.images else list(plans[0].base_hw)
+        record.scales = [round(s, 6) for p in plans for s in p.frame_scales]
+        record.pair_sizes = [list(hw) for p in plans for hw in p.pair_sizes]
+        record.grids = [list(g) for p in plans for g in p.grids]
+        record.reference_tokens = planned.reference_tokens
+        record.candidates = planned.candidates
+        record.allocator_predict_s += planned.projection_s
+        record.preprocess_s = planned.seconds - planned.projection_s
+    if built is not None:
+        record.merged_sizes = list(built.merged_sizes) if built.merged_sizes is not None else None
+        record.scale_apply_s = built.resize_s
+        record.preprocess_s += built.seconds
+    if generated is not None:
+        grid = layout.grid
+        record.visual_tokens = generated.prompt_ids.count(layout.placeholder_id(decoded.images))
+        record.achieved_retention = record.visual_tokens / record.reference_tokens
+        # full-resolution frames: a video frame is half a pair at the base size, an image a whole one
+        frame_tokens = [grid.tokens(*p.base_hw) / (1 if decoded.images else grid.temporal_patch) for p in planned.plans]
+        record.frame_budget = record.visual_tokens / sum(frame_tokens) * len(frame_tokens)
+        record.input_tokens, record.output_tokens, record.generate_s = (
+            len(generated.prompt_ids),
+            generated.output_tokens,
+            generated.seconds,
+        )
+    return record

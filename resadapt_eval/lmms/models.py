@@ -25,7 +25,7 @@ from ..backbones.qwen import Qwen3VLAdapter, Qwen25VLAdapter, QwenVideoAdapter
 from ..budget.policies import BudgetSpec
 from ..methods import METHODS
 from ..pipeline import Request, VideoPipeline, VideoPipelineConfig
-from ..record import SampleRecord
+from ..record import SampleRecord, build_record
 from .manifests import class_name
 
 
@@ -44,19 +44,11 @@ def lmms_eval_output_path() -> str | None:
 class ResAdaptQwen(lmms):
     """Qwen video model whose visual budget is set per frame pair by `method`.
 
-    model_args: pretrained (path or hub id), method (a registered method: vanilla | random_drop |
-    tome | visionzip | flashvid | fixed_scale | resadapt), retention (target R; for resadapt the
-    Allocator's scales are projected onto it), allocator (checkpoint folder or `builtin`),
-    allocator_inference (mean | median | quantile | sample), allocator_quantile, allocator_seed,
-    compression_seed (random_drop's subset; the token compressors compress the vanilla plan's
-    merged tokens to round(R * N)), operator
-    (resize | select | select_resize; selection scores `candidates` frames with the Allocator and
-    keeps `top_k` and/or those with scale >= `score_threshold`),
-    max_num_frames, min_pixels / max_pixels (one frame's base area in pixels), s_min / s_max
-    (scale range), min_tokens_per_pair / max_tokens_per_pair, pair_reduction (mean | max | min),
-    device, dtype, attn_implementation, strict (raise on a bad sample instead of recording it),
-    sidecar_dir (where per-sample JSONL records go; default: the run's `--output_path/<model>`
-    folder, else ./resadapt_sidecars).
+    model_args: pretrained (path or hub id), device, dtype, attn_implementation, sidecar_dir (where
+    per-sample JSONL records go; default: the run's `--output_path/<model>` folder, else
+    ./resadapt_sidecars), and every field of `VideoPipelineConfig` and its `BudgetSpec` by name
+    (method, retention, allocator, operator, max_num_frames, s_min, ...; the README's model_args
+    table), parsed by `config_from_model_args`.
     """
 
     is_simple = False
@@ -178,9 +170,10 @@ class ResAdaptQwen(lmms):
                 text, record = next(answered)
             else:
                 _, _, _, doc_id, task, _ = instance.args
+                failed = Request("", doc_id=doc_id, task=task)
                 text, record = (
                     "",
-                    self.pipeline.record(Request("", doc_id=doc_id, task=task), None, None, None, None, None, request),
+                    build_record(failed, self.pipeline.config, self.pipeline.layout, *[None] * 5, request),
                 )
             if record.error is not None:
                 logger.warning(
