@@ -132,8 +132,12 @@ class Built:
 
 @dataclass(frozen=True)
 class Generated:
+    """The answer; prompt_ids: the engine's own prompt; visual_tokens: the visual placeholders
+    among them (what entered the LLM); seconds: this sample's share of the engine call."""
+
     text: str
     prompt_ids: tuple[int, ...]
+    visual_tokens: int
     output_tokens: int
     seconds: float
 
@@ -180,7 +184,7 @@ class VideoPipeline:
         answers = []
         for i, request in enumerate(requests):
             stages = (decoded.get(i), scores.get(i), planned.get(i), built.get(i), generated.get(i))
-            record = build_record(request, self.config, self.layout, *stages, failed.get(i))
+            record = build_record(request, self.config, self.layout.grid, *stages, failed.get(i))
             answers.append(("" if record.error else generated[i].text, record))
         return answers
 
@@ -257,29 +261,24 @@ class VideoPipeline:
         """Scales -> one resize plan per item: the method's policy, or the Allocator's scales fit
         to the retention (jointly over a request's images); or frame selection (`Planner.select`)."""
         t0 = time.perf_counter()
-        items, candidates = decoded.items, None
+        items, candidates, reference, projection_s = decoded.items, None, None, 0.0
         base_hws = [self.planner.base_hw(item.frames.shape[1:3]) for item in items]
-        if self.method.needs_allocator:
+        if not self.method.needs_allocator:
+            grid, spec = self.layout.grid, self.config.budget
+            scales = [self.method.policy(len(item.indices), hw, grid, spec) for item, hw in zip(items, base_hws)]
+        elif self.config.operator == "resize":
             t1 = time.perf_counter()
-            if self.config.operator == "resize":
-                scales = self.planner.fit(scores.raw, base_hws, self.config.budget.retention)
-            else:
-                cfg, candidates = self.config, len(items[0].indices)
-                positions, kept_scales, reference = self.planner.select(
-                    scores.raw[0], base_hws[0], cfg.operator, cfg.top_k, cfg.score_threshold
-                )
-                items, scales = (items[0].subset(positions),), [kept_scales]
+            scales = self.planner.fit(scores.raw, base_hws, self.config.budget.retention)
             projection_s = time.perf_counter() - t1
         else:
-            scales, projection_s = (
-                [
-                    self.method.policy(len(item.indices), hw, self.layout.grid, self.config.budget)
-                    for item, hw in zip(items, base_hws)
-                ],
-                0.0,
+            t1, cfg, candidates = time.perf_counter(), self.config, len(items[0].indices)
+            positions, kept_scales, reference = self.planner.select(
+                scores.raw[0], base_hws[0], cfg.operator, cfg.top_k, cfg.score_threshold
             )
+            items, scales = (items[0].subset(positions),), [kept_scales]
+            projection_s = time.perf_counter() - t1
         plans = tuple(self.planner.plan(s, hw) for s, hw in zip(scales, base_hws))
-        if candidates is None:
+        if reference is None:  # frame selection measures R against all candidates
             reference = sum(p.reference_tokens for p in plans)
         return Planned(items, plans, reference, candidates, projection_s, time.perf_counter() - t0)
 
@@ -331,8 +330,8 @@ class VideoPipeline:
         share = (time.perf_counter() - t0) / len(alive)
         out = {}
         for i, (text, prompt_ids, n_out) in zip(alive, outputs):
-            out[i] = Generated(text, tuple(prompt_ids), n_out, share)
-            counted = out[i].prompt_ids.count(self.layout.placeholder_id(not requests[i].video))
+            counted = list(prompt_ids).count(self.layout.placeholder_id(requests[i].video is None))
+            out[i] = Generated(text, tuple(prompt_ids), counted, n_out, share)
             if counted != built[i].visual_tokens:
                 exc = RuntimeError(
                     f"the engine's prompt holds {counted} visual placeholders, the plan counts {built[i].visual_tokens}"

@@ -6,7 +6,7 @@ from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from .backbones.layout import QwenLayout
+    from .budget.plan import TokenGrid
     from .pipeline import Built, Decoded, Generated, Planned, Request, Scores, VideoPipelineConfig
 
 
@@ -69,7 +69,7 @@ def error_text(exc: BaseException) -> str:
 def build_record(
     request: Request,
     config: VideoPipelineConfig,
-    layout: QwenLayout,
+    grid: TokenGrid,
     decoded: Decoded | None,
     scores: Scores | None,
     planned: Planned | None,
@@ -89,11 +89,8 @@ def build_record(
     if decoded is not None:
         record.decode_s = decoded.seconds
     if scores is not None:
-        record.allocator_text_s, record.allocator_visual_s, record.allocator_predict_s = (
-            scores.text_s,
-            scores.visual_s,
-            scores.predict_s,
-        )
+        record.allocator_text_s, record.allocator_visual_s = scores.text_s, scores.visual_s
+        record.allocator_predict_s = scores.predict_s
         if scores.raw is not None:
             record.raw_scales = [round(float(s), 6) for item in scores.raw for s in item]
     if planned is not None:
@@ -113,15 +110,11 @@ def build_record(
         record.scale_apply_s = built.resize_s
         record.preprocess_s += built.seconds
     if generated is not None:
-        grid = layout.grid
-        record.visual_tokens = generated.prompt_ids.count(layout.placeholder_id(decoded.images))
+        record.visual_tokens = generated.visual_tokens
         record.achieved_retention = record.visual_tokens / record.reference_tokens
         # full-resolution frames: a video frame is half a pair at the base size, an image a whole one
         frame_tokens = [grid.tokens(*p.base_hw) / (1 if decoded.images else grid.temporal_patch) for p in planned.plans]
         record.frame_budget = record.visual_tokens / sum(frame_tokens) * len(frame_tokens)
-        record.input_tokens, record.output_tokens, record.generate_s = (
-            len(generated.prompt_ids),
-            generated.output_tokens,
-            generated.seconds,
-        )
+        record.input_tokens, record.output_tokens = len(generated.prompt_ids), generated.output_tokens
+        record.generate_s = generated.seconds
     return record

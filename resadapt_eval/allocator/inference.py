@@ -40,18 +40,18 @@ class AllocatorPolicy:
     def raw_scales(self, frames: np.ndarray, query: str) -> tuple[np.ndarray, dict]:
         """The Allocator's scales s_t (T,) for uint8 frames (T, H, W, 3) and a query, and the
         stage seconds (`allocator_text_s`, `allocator_visual_s`, `allocator_predict_s`)."""
-        (scales,), seconds = self.raw_scales_batch([frames], [query])
+        (scales,), seconds = self.raw_scales_batch([[frames]], [query])
         return scales, seconds
 
     @torch.no_grad()
-    def raw_scales_batch(self, sequences: list, queries: list[str]) -> tuple[list[np.ndarray], dict]:
+    def raw_scales_batch(self, sequences: list[list[np.ndarray]], queries: list[str]) -> tuple[list[np.ndarray], dict]:
         """`raw_scales` for several sequences in one pass: one text encode, one visual encode per
-        frame size, one Allocator forward over the padded batch. A sequence is uint8 frames
-        (T, H, W, 3), or a list of such arrays of different sizes taken as one sequence in order
-        (the images of one request). Returns the scales per sequence and the stage seconds
+        frame size, one Allocator forward over the padded batch. A sequence is a list of uint8 frame
+        arrays (T_k, H_k, W_k, 3), taken in order as one sequence (a video is one array; the
+        images of one request are one array each). Returns the scales per sequence and the stage seconds
         divided equally among the sequences."""
         enc = self.allocator.encoders
-        segments = [[seq] if isinstance(seq, np.ndarray) else list(seq) for seq in sequences]
+        segments = [list(seq) for seq in sequences]
         t0 = time.perf_counter()
         text, text_mask = enc.encode_text(list(queries))
         t1 = time.perf_counter()

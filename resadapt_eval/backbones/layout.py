@@ -49,13 +49,18 @@ class QwenLayout:
     grid: TokenGrid
 
     def __init__(self, processor, config):
-        if config.model_type != self.model_type:
-            raise ValueError(
-                f"the checkpoint is a {config.model_type} model; {self.family} needs a {self.model_type} checkpoint"
-            )
+        self.check(config)
         self.processor = processor
         self.tokenizer = processor.tokenizer
         self.config = config
+
+    @classmethod
+    def check(cls, config) -> None:
+        """Refuse a checkpoint config of another model family (before any weights are loaded)."""
+        if config.model_type != cls.model_type:
+            raise ValueError(
+                f"the checkpoint is a {config.model_type} model; {cls.family} needs a {cls.model_type} checkpoint"
+            )
 
     @property
     def temporal_patch(self) -> int:

@@ -13,7 +13,7 @@ from contextlib import nullcontext
 
 import numpy as np
 import torch
-from transformers import AutoModelForImageTextToText, AutoProcessor
+from transformers import AutoConfig, AutoModelForImageTextToText, AutoProcessor
 from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import apply_rotary_pos_emb_vision as qwen25_vision_rotary
 from transformers.models.qwen3_vl.modeling_qwen3_vl import apply_rotary_pos_emb_vision as qwen3_vision_rotary
 from transformers.vision_utils import get_vision_window_index
@@ -43,10 +43,12 @@ class QwenVideoAdapter:
         cls, path: str, device: str = "cpu", dtype: str = "auto", attn_implementation: str | None = None
     ):
         """Load model and processor from a `save_pretrained` folder or hub id."""
+        config = AutoConfig.from_pretrained(path)
+        cls.layout_cls.check(config)  # a checkpoint of the other family stops before its weights load
         kwargs = {"dtype": dtype if dtype == "auto" else getattr(torch, dtype)}
         if attn_implementation:
             kwargs["attn_implementation"] = attn_implementation
-        model = AutoModelForImageTextToText.from_pretrained(path, **kwargs).to(device).eval()
+        model = AutoModelForImageTextToText.from_pretrained(path, config=config, **kwargs).to(device).eval()
         return cls(model, AutoProcessor.from_pretrained(path))
 
     @property

@@ -171,10 +171,8 @@ class ResAdaptQwen(lmms):
             else:
                 _, _, _, doc_id, task, _ = instance.args
                 failed = Request("", doc_id=doc_id, task=task)
-                text, record = (
-                    "",
-                    build_record(failed, self.pipeline.config, self.pipeline.layout, *[None] * 5, request),
-                )
+                record = build_record(failed, self.pipeline.config, self.pipeline.layout.grid, *[None] * 5, request)
+                text = ""
             if record.error is not None:
                 logger.warning(
                     f"doc {record.doc_id} of {record.task} failed, recorded in {self.sidecar_path}: {record.error}"

@@ -160,7 +160,10 @@ def to_markdown(table: Table, with_paper: bool = False) -> str:
 def to_latex(table: Table, with_paper: bool = False) -> str:
     best = table.best()
     head = _header(table, with_paper)
-    esc = lambda s: s.replace("%", r"\%").replace("_", r"\_").replace("Δ", r"$\Delta$").replace("—", "--")  # noqa: E731
+
+    def esc(text: str) -> str:
+        return text.replace("%", r"\%").replace("_", r"\_").replace("Δ", r"$\Delta$").replace("—", "--")
+
     lines = [
         r"\begin{tabular}{lll" + "c" * (len(head) - 3) + "}",
         r"\toprule",
