@@ -2,7 +2,7 @@
 
     .venv/bin/python benchmarks/allocator_overhead.py [--backbone qwen25vl] [--frames 8 16 32]
 
-For each T: one smoke video decoded once; the Allocator (minilm-effnet encoders, the builtin
+For each T: one smoke video decoded once; the Allocator (minilm-effnet encoders, the untrained
 untrained weights, D=1024) predicts and projects scales to --retention; then the backbone's prefill
 (one forward pass) and a full greedy generate run on the ResAdapt plan and on the vanilla plan.
 Medians over --repeats runs after one warm-up. Ratios are to vanilla prefill / vanilla generate.
@@ -51,14 +51,14 @@ def main() -> None:
     )
     print(
         f"backbone={args.backbone} (tiny random, CPU, {torch.get_num_threads()} threads), "
-        f"allocator=builtin minilm-effnet D=1024, target R={args.retention}"
+        f"allocator=untrained minilm-effnet D=1024, target R={args.retention}"
     )
     print(header)
     for T in args.frames:
         request = Request(prompt, video=str(video_path), query=query)
         config = dict(max_num_frames=T)
         resadapt = VideoPipeline(
-            adapter, VideoPipelineConfig(method="resadapt", allocator="builtin", budget=spec, **config)
+            adapter, VideoPipelineConfig(method="resadapt", allocator="untrained", budget=spec, **config)
         )
         vanilla = VideoPipeline(adapter, VideoPipelineConfig(method="vanilla", **config))
         decoded = resadapt.decode(request)

@@ -57,6 +57,14 @@ class VideoPipelineConfig:
             )
         if self.allocator is not None and not method.needs_allocator:
             raise ValueError(f"allocator= is only used by method=resadapt, not {self.method!r}")
+        if self.allocator is None and method.needs_allocator:
+            from .allocator import UNTRAINED, known_allocators
+
+            known = "; ".join(known_allocators()) or "none in this installation"
+            raise ValueError(
+                f"method={self.method} needs model_args allocator=<checkpoint folder> (committed: {known}), "
+                f"or allocator={UNTRAINED} to run the untrained Allocator on purpose"
+            )
         if method.retention == REQUIRED_RETENTION and self.budget.retention is None:
             raise ValueError(f"method={self.method} needs a target retention (model_args retention=...)")
         if method.retention == NO_RETENTION and self.budget.retention is not None:

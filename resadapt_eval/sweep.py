@@ -31,7 +31,7 @@ class ModelCard:
 
     backbone: qwen25vl | qwen3vl; pretrained: checkpoint folder or hub id; frames: default
     max_num_frames values; model_args: extra model_args for every cell (pixels, s-range, dtype,
-    ...); allocator: checkpoint for method=resadapt (`builtin` = untrained default); gen_kwargs:
+    ...); allocator: checkpoint for method=resadapt (`untrained` = the untrained default, on purpose); gen_kwargs:
     lmms-eval --gen_kwargs; tasks / include_path: default tasks and where custom tasks live;
     paper_backbone: the paper's name for this backbone (for `tables --paper`); description: Markdown.
     """
@@ -74,7 +74,7 @@ def load_card(path: str | Path) -> ModelCard:
 
     raw["pretrained"] = local(raw["pretrained"])
     raw["include_path"] = local(raw.get("include_path"))
-    if raw.get("allocator") not in (None, "builtin"):
+    if raw.get("allocator") not in (None, "untrained"):
         raw["allocator"] = local(raw["allocator"])
     raw["frames"] = [int(f) for f in raw.get("frames", [32])]
     return ModelCard(**raw)

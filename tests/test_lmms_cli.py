@@ -142,11 +142,11 @@ def test_bad_model_args_give_clear_errors(fixtures_dir):
 
 
 @pytest.mark.parametrize("backbone", ["qwen25vl", "qwen3vl"])
-def test_resadapt_with_the_builtin_allocator_runs_within_budget(fixtures_dir, tmp_path, backbone):
+def test_resadapt_with_the_untrained_allocator_runs_within_budget(fixtures_dir, tmp_path, backbone):
     model_args = dict(
         pretrained=fixtures_dir / backbone,
         method="resadapt",
-        allocator="builtin",
+        allocator="untrained",
         retention=0.25,
         max_num_frames=8,
         device="cpu",

@@ -51,7 +51,7 @@ def surfaces(name: str, backbone: str = "qwen25vl") -> dict:
     model_name = get_method(name).model_names(backbone)[0]
     class_path = manifests.model_names()[model_name][0]
     cls = getattr(models, class_path.rsplit(".", 1)[1])
-    card = ModelCard(name="card", backbone=backbone, pretrained="ckpt", allocator="builtin")
+    card = ModelCard(name="card", backbone=backbone, pretrained="ckpt", allocator="untrained")
     (cell, *_) = plan_cells([name], [0.25], [8])
     command = cell_command(card, cell, ["task"], Path("out"))
     run = CellRun(

@@ -32,7 +32,7 @@ def test_the_images_of_a_request_are_scored_together_and_projected_jointly(adapt
     request = Request(
         image_prompt(adapter, 3), images=images, query="Which image shows a square?", gen_kwargs=dict(max_new_tokens=2)
     )
-    free = VideoPipeline(adapter, VideoPipelineConfig(method="resadapt", allocator="builtin"))
+    free = VideoPipeline(adapter, VideoPipelineConfig(method="resadapt", allocator="untrained"))
     _, record = free.run(request)
     assert record.error is None
     # one Allocator call over the three images as one sequence: three different scales
@@ -43,7 +43,7 @@ def test_the_images_of_a_request_are_scored_together_and_projected_jointly(adapt
     np.testing.assert_allclose(record.scales, np.clip(raw, 0.2, 1.8), atol=1e-6)
 
     projected = VideoPipeline(
-        adapter, VideoPipelineConfig(method="resadapt", allocator="builtin", budget=BudgetSpec(retention=0.25))
+        adapter, VideoPipelineConfig(method="resadapt", allocator="untrained", budget=BudgetSpec(retention=0.25))
     )
     _, record = projected.run(request)
     assert record.error is None
@@ -96,7 +96,7 @@ def test_a_batch_answers_as_its_requests_do_one_at_a_time(adapters, fixtures_dir
     ]
     pipeline = VideoPipeline(
         adapter,
-        VideoPipelineConfig(method="resadapt", allocator="builtin", max_num_frames=8, budget=BudgetSpec(retention=0.5)),
+        VideoPipelineConfig(method="resadapt", allocator="untrained", max_num_frames=8, budget=BudgetSpec(retention=0.5)),
     )
     together = pipeline.run_batch(requests)
     for request, (text, record) in zip(requests, together):

@@ -3,7 +3,9 @@
 import pytest
 import torch
 
+from resadapt_eval.budget.policies import BudgetSpec
 from resadapt_eval.lmms.models import ResAdaptQwen25VL
+from resadapt_eval.pipeline import VideoPipelineConfig
 
 BAD = {
     "fixed_scale without retention": (dict(method="fixed_scale"), "retention"),
@@ -11,14 +13,14 @@ BAD = {
     "max_pixels below one token": (dict(max_pixels=100), "max_pixels=100 is below one visual token"),
     "unknown pair reduction": (dict(method="fixed_scale", retention=0.25, pair_reduction="median"), "pair_reduction"),
     "quantile outside (0, 1)": (
-        dict(method="resadapt", allocator="builtin", allocator_quantile=1.5),
+        dict(method="resadapt", allocator="untrained", allocator_quantile=1.5),
         "allocator_quantile",
     ),
     "top_k of 0": (
-        dict(method="resadapt", allocator="builtin", operator="select", top_k=0),
+        dict(method="resadapt", allocator="untrained", operator="select", top_k=0),
         "top_k must be at least 1",
     ),
-    "no candidates": (dict(method="resadapt", allocator="builtin", operator="select", candidates=0), "candidates"),
+    "no candidates": (dict(method="resadapt", allocator="untrained", operator="select", candidates=0), "candidates"),
     "infinite retention": (dict(method="tome", retention="inf"), "retention must be a finite positive number"),
     "retention not a number": (dict(method="fixed_scale", retention="abc"), "retention='abc': expected float"),
     "strict not a boolean": (dict(strict="maybe"), "strict='maybe'"),
@@ -53,3 +55,12 @@ def test_booleans_are_parsed_strictly(fixtures_dir):
     for text, value in (("no", False), ("false", False), ("0", False), ("true", True), ("yes", True)):
         model = ResAdaptQwen25VL(pretrained=str(fixtures_dir / "qwen25vl"), dtype="float32", strict=text)
         assert model.strict is value and model.pipeline.config.strict is value
+
+
+def test_resadapt_without_an_allocator_names_the_committed_checkpoints():
+    """Forgetting allocator= is an error listing what can be passed, not a silent untrained run."""
+    with pytest.raises(ValueError) as error:
+        VideoPipelineConfig(method="resadapt", budget=BudgetSpec(retention=0.25))
+    message = str(error.value)
+    assert "allocator=" in message and "allocator=untrained" in message
+    assert "results/needle/allocator-qwen25vl" in message and "model_cards/needle-qwen25vl.yaml" in message

@@ -105,7 +105,7 @@ def test_run_batch_records_the_engines_tokens_and_a_bad_video_fails_alone(engine
 def test_resadapt_batches_the_allocator_over_the_chunk(engines, fixtures_dir):
     engine = engines["qwen3vl"]
     config = VideoPipelineConfig(
-        method="resadapt", allocator="builtin", max_num_frames=8, budget=BudgetSpec(retention=0.5)
+        method="resadapt", allocator="untrained", max_num_frames=8, budget=BudgetSpec(retention=0.5)
     )
     pipeline = VideoPipeline(engine, config)
     videos = sorted((fixtures_dir / "smoke_videoqa" / "videos").glob("*.mp4"))[:3]
@@ -131,7 +131,7 @@ def test_resadapt_batches_the_allocator_over_the_chunk(engines, fixtures_dir):
 
     # frame selection on the same engine: 8 candidates scored in the batch, the best 4 kept
     selecting = VideoPipeline(
-        engine, VideoPipelineConfig(method="resadapt", allocator="builtin", operator="select", candidates=8, top_k=4)
+        engine, VideoPipelineConfig(method="resadapt", allocator="untrained", operator="select", candidates=8, top_k=4)
     )
     for _, record in selecting.run_batch(jobs):
         assert (

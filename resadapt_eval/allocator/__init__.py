@@ -1,7 +1,7 @@
 """The ResAdapt Allocator: model, frozen encoders, checkpoints, inference."""
 
 from .encoders import ENCODERS, FrozenEncoders, build_encoders
-from .inference import BUILTIN, AllocatorPolicy, load_allocator
+from .inference import UNTRAINED, AllocatorPolicy, known_allocators, load_allocator
 from .model import (
     INFERENCE_MODES,
     Allocator,
@@ -16,13 +16,14 @@ __all__ = [
     "Allocator",
     "AllocatorConfig",
     "AllocatorPolicy",
-    "BUILTIN",
     "CheckpointError",
     "ENCODERS",
     "FrozenEncoders",
     "INFERENCE_MODES",
     "beta_actions",
     "build_encoders",
+    "UNTRAINED",
+    "known_allocators",
     "load_allocator",
     "logit_normal_actions",
     "logit_normal_mean",

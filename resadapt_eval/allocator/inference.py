@@ -12,20 +12,37 @@ from pathlib import Path
 
 import numpy as np
 import torch
+import yaml
 
 from .model import INFERENCE_MODES, Allocator, AllocatorConfig
 
-BUILTIN = "builtin"
+UNTRAINED = "untrained"
+REPO = Path(__file__).resolve().parents[2]
 
 
-def load_allocator(spec: str | None, device: str | torch.device = "cpu") -> Allocator:
-    """`builtin` (or None): the untrained default (minilm-effnet encoders, seed 0, initial mean
-    scale 1.0); otherwise a `save_pretrained` folder."""
-    if spec is None or spec == BUILTIN:
+def load_allocator(spec: str, device: str | torch.device = "cpu") -> Allocator:
+    """`untrained`: the untrained default, asked for on purpose (minilm-effnet encoders, seed 0,
+    initial mean scale 1.0); otherwise a `save_pretrained` folder."""
+    if spec == UNTRAINED:
         allocator = Allocator(AllocatorConfig())
     else:
         allocator = Allocator.from_pretrained(Path(spec))
     return allocator.to(device).eval()
+
+
+def known_allocators() -> list[str]:
+    """Allocator checkpoints committed in this repository (`results/**/config.json` of an
+    Allocator) and the model cards that name one, for error messages; empty when installed
+    without the repository."""
+    found = [
+        str(p.parent.relative_to(REPO))
+        for p in sorted(REPO.glob("results/**/allocator*/config.json"))
+        if (p.parent / "model.safetensors").is_file()
+    ]
+    for card in sorted(REPO.glob("model_cards/*.yaml")):
+        if (yaml.safe_load(card.read_text()) or {}).get("allocator") not in (None, UNTRAINED):
+            found.append(f"the card {card.relative_to(REPO)}")
+    return found
 
 
 class AllocatorPolicy:

@@ -8,7 +8,7 @@
               answer: generate, choices: ABCD,          # or choice_logits (multiple choice, one forward)
               retention: null, s_min: 0.2, s_max: 1.8}  # R or [lo, hi] (R drawn per prompt): project each
                                                         # allocation onto R within [s_min, s_max]
-    allocator: {checkpoint: null}       # or `builtin`, or a folder; otherwise AllocatorConfig fields
+    allocator: {checkpoint: null}       # or `untrained`, or a folder; otherwise AllocatorConfig fields
     capo: {...}                         # CAPOConfig fields
     train: {...}                        # TrainConfig fields (output_dir comes from the top level)
 
@@ -22,7 +22,7 @@ from pathlib import Path
 
 import yaml
 
-from ..allocator import Allocator, AllocatorConfig, load_allocator
+from ..allocator import UNTRAINED, Allocator, AllocatorConfig, load_allocator
 from ..backbones.qwen import ADAPTERS
 from ..budget.policies import BudgetSpec
 from ..capo.losses import CAPOConfig
@@ -116,7 +116,7 @@ def build_trainer(config_path: str | Path, steps: int | None = None) -> Allocato
     if checkpoint is not None:
         if allocator_cfg:
             raise ValueError(f"{path}: `allocator` takes either `checkpoint` or AllocatorConfig fields, not both")
-        allocator = load_allocator(checkpoint if checkpoint == "builtin" else resolve(checkpoint), device=device)
+        allocator = load_allocator(checkpoint if checkpoint == UNTRAINED else resolve(checkpoint), device=device)
     else:
         allocator = Allocator(_dataclass_from(path, "allocator", AllocatorConfig, allocator_cfg)).to(device)
 
