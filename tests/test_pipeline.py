@@ -96,7 +96,9 @@ def test_a_batch_answers_as_its_requests_do_one_at_a_time(adapters, fixtures_dir
     ]
     pipeline = VideoPipeline(
         adapter,
-        VideoPipelineConfig(method="resadapt", allocator="untrained", max_num_frames=8, budget=BudgetSpec(retention=0.5)),
+        VideoPipelineConfig(
+            method="resadapt", allocator="untrained", max_num_frames=8, budget=BudgetSpec(retention=0.5)
+        ),
     )
     together = pipeline.run_batch(requests)
     for request, (text, record) in zip(requests, together):
