@@ -22,13 +22,26 @@ def cmd_fixtures(args) -> int:
 
 
 def cmd_sweep(args) -> int:
-    from .sweep import load_card, plan_cells, run_sweep
+    from .sweep import ChangedCells, load_card, plan_cells, run_sweep
 
     card = load_card(args.card)
     frames = [int(f) for f in args.frames.split(",")] if args.frames else card.frames
     tasks = args.tasks.split(",") if args.tasks else card.tasks
     cells = plan_cells(args.methods.split(","), [float(r) for r in args.retention.split(",")], frames)
-    records = run_sweep(card, cells, tasks, Path(args.output), launcher=args.launcher, limit=args.limit)
+    try:
+        records = run_sweep(
+            card,
+            cells,
+            tasks,
+            Path(args.output),
+            launcher=args.launcher,
+            limit=args.limit,
+            max_failed_fraction=args.max_failed_fraction,
+            rerun_changed=args.rerun_changed,
+        )
+    except ChangedCells as exc:
+        print(f"sweep: {exc}", file=sys.stderr)
+        return 2
     return 1 if any(r["status"] != "done" for r in records) else 0
 
 
@@ -36,7 +49,7 @@ def cmd_tables(args) -> int:
     from .report.collect import collect
     from .report.tables import build_tables, to_markdown, write_tables
 
-    runs = collect(args.run_dir)
+    runs = collect(args.run_dir, include_failed=True)
     if not runs:
         print(f"no finished cells under {args.run_dir}", file=sys.stderr)
         return 1
@@ -84,6 +97,8 @@ def cmd_demo(args) -> int:
             output=str(out),
             launcher=None,
             limit=args.limit,
+            max_failed_fraction=0.0,
+            rerun_changed=False,
         )
     )
     cmd_tables(common)
@@ -101,6 +116,8 @@ def cmd_train(args) -> int:
 
     trainer = build_trainer(args.config, steps=args.steps)
     history = trainer.train(resume=args.resume)
+    if not trainer.accelerator.is_main_process:  # under `accelerate launch`, process 0 reports
+        return 0
     checkpoint = trainer.output_dir / "checkpoints" / f"step-{trainer.step:06d}" / "allocator"
     if history:
         last = history[-1]
@@ -196,6 +213,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--output", required=True, help="run directory (one folder per cell)")
     p.add_argument("--launcher", default=None, help='e.g. "accelerate launch --num_processes 8" for data parallel')
     p.add_argument("--limit", type=int, default=None, help="lmms-eval --limit (samples per task; for testing)")
+    p.add_argument(
+        "--max-failed-fraction",
+        type=float,
+        default=0.0,
+        help="a cell with more failed samples than this fraction is reported failed (default 0: any failure)",
+    )
+    p.add_argument(
+        "--rerun-changed",
+        action="store_true",
+        help="recompute finished cells whose configuration changed (default: stop and name the change)",
+    )
     p.set_defaults(func=cmd_sweep)
 
     for name, func, help_text in (

@@ -26,11 +26,13 @@ class SampleRecord:
     allocator_{text,visual,predict}_s (Allocator stages; predict includes the projection),
     scale_apply_s (resizing frames to the plan), preprocess_s (planning and building the model
     inputs, resize included), generate_s. error: `ExceptionType: message` of a failed sample.
+    allocator: the Allocator checkpoint of method=resadapt (`untrained` when run on purpose without one).
     """
 
     doc_id: int | None
     task: str | None
     method: str
+    allocator: str | None = None
     video: str | None = None
     num_frames: int = 0
     frame_indices: list[int] = field(default_factory=list)
@@ -82,6 +84,7 @@ def build_record(
         doc_id=request.doc_id,
         task=request.task,
         method=config.method,
+        allocator=config.allocator,
         video=None if request.video is None else str(request.video),
         target_retention=config.budget.retention,
         error=error_text(error) if error else None,

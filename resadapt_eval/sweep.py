@@ -2,12 +2,17 @@
 process per cell, resumable.
 
 Each cell writes `<output>/<cell>/cell.json` last: `status` is `done` (lmms-eval wrote its
-results) or `failed` (with the end of its output). A re-run skips `done` cells and runs the rest
-again from scratch, so a killed sweep loses at most the cell it was in.
+results and no more than `max_failed_fraction` of its samples failed) or `failed` (with the first
+errors). A re-run skips `done` cells and runs the rest again from scratch, so a killed sweep loses
+at most the cell it was in. A cell is keyed by everything that determines its result (the card,
+the cell, its model_args, tasks, limit and the package version): a `done` cell computed under
+another configuration is never reused; the sweep stops and names what changed, or, with
+`rerun_changed`, computes it again.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import shlex
 import shutil
@@ -20,6 +25,7 @@ from pathlib import Path
 import yaml
 
 from .lmms.manifests import BACKBONES
+from .manifest import read_manifests, versions
 from .methods import METHODS, NO_RETENTION, get_method
 
 CELL_FILE = "cell.json"
@@ -88,7 +94,8 @@ class Cell:
 
     @property
     def name(self) -> str:
-        r = "" if self.retention is None else f"-r{self.retention:g}"
+        """Folder name; the retention is written in full (repr), so distinct targets never share one."""
+        r = "" if self.retention is None else f"-r{float(self.retention)!r}"
         return f"{self.method}{r}-f{self.frames}"
 
 
@@ -104,8 +111,32 @@ def plan_cells(methods: list[str], retentions: list[float], frames: list[int]) -
             if METHODS[m].retention == NO_RETENTION:
                 cells.append(Cell(m, None, f))
             else:
-                cells.extend(Cell(m, r, f) for r in retentions)
-    return cells
+                cells.extend(Cell(m, float(r), f) for r in retentions)
+    return list(dict.fromkeys(cells))  # a repeated method, retention or frame count runs once
+
+
+def cell_config(card: ModelCard, cell: Cell, tasks: list[str], limit: int | None) -> dict:
+    """Everything that determines a cell's result: the card's contents, the cell, its tasks and
+    limit, and the package version (not the launcher: 1 and N processes give the same result)."""
+    return dict(
+        card=asdict(card), cell=asdict(cell), tasks=list(tasks), limit=limit, version=versions()["resadapt-eval"]
+    )
+
+
+def config_key(config: dict) -> str:
+    return hashlib.sha256(json.dumps(config, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def config_changes(old: dict, new: dict, prefix: str = "") -> list[str]:
+    """`name: old -> new` for every setting that differs between two cell configurations."""
+    changes = []
+    for key in sorted(set(old) | set(new)):
+        a, b = old.get(key), new.get(key)
+        if isinstance(a, dict) and isinstance(b, dict):
+            changes += config_changes(a, b, f"{prefix}{key}.")
+        elif a != b:
+            changes.append(f"{prefix}{key}: {a!r} -> {b!r}")
+    return changes
 
 
 def cell_command(
@@ -147,6 +178,10 @@ def read_cell(cell_dir: Path) -> dict | None:
     return json.loads(path.read_text()) if path.is_file() else None
 
 
+class ChangedCells(ValueError):
+    """The output holds finished cells computed under another configuration."""
+
+
 def run_sweep(
     card: ModelCard,
     cells: list[Cell],
@@ -154,59 +189,116 @@ def run_sweep(
     output: Path,
     launcher: str | None = None,
     limit: int | None = None,
+    max_failed_fraction: float = 0.0,
+    rerun_changed: bool = False,
     echo=print,
 ) -> list[dict]:
-    """Run every unfinished cell; returns each cell's record (done, failed or skipped)."""
+    """Run every unfinished cell; returns each cell's record (done, failed or skipped).
+
+    A cell is done when lmms-eval wrote its results and at most `max_failed_fraction` of its
+    samples failed (0: any failed sample fails the cell). A done cell of another configuration
+    raises `ChangedCells` naming what changed, unless `rerun_changed`."""
     if not tasks:
         raise ValueError("no tasks: pass --tasks or list them in the card")
+    if not 0 <= max_failed_fraction <= 1:
+        raise ValueError(f"max_failed_fraction must be in [0, 1], got {max_failed_fraction}")
+    needs = sorted({c.method for c in cells if get_method(c.method).needs_allocator})
+    if needs and not card.allocator:
+        raise ValueError(
+            f"card {card.name} has no `allocator:`; {', '.join(needs)} cells need an Allocator checkpoint "
+            "(or `allocator: untrained` to run the untrained one on purpose)"
+        )
     output.mkdir(parents=True, exist_ok=True)
-    todo = [c for c in cells if (read_cell(output / c.name) or {}).get("status") != "done"]
-    echo(
-        f"sweep {card.name}: {len(cells)} cells, {len(cells) - len(todo)} already done, {len(todo)} to run -> {output}"
-    )
+    configs = {c: cell_config(card, c, tasks, limit) for c in cells}
+    previous = {c: read_cell(output / c.name) or {} for c in cells}
+    reusable = {
+        c for c in cells if previous[c].get("status") == "done" and previous[c].get("key") == config_key(configs[c])
+    }
+    changed = [c for c in cells if previous[c].get("status") == "done" and c not in reusable]
+    if changed and not rerun_changed:
+        example = config_changes(previous[changed[0]].get("config") or {}, configs[changed[0]])
+        raise ChangedCells(
+            f"{output} holds {len(changed)} finished cell(s) computed under another configuration "
+            f"({', '.join(c.name for c in changed)}); {changed[0].name} changed: {'; '.join(example[:6])}. "
+            "Use another --output, or --rerun-changed to compute them again"
+        )
+    todo = [c for c in cells if c not in reusable]
+    echo(f"sweep {card.name}: {len(cells)} cells, {len(reusable)} already done, {len(todo)} to run -> {output}")
     records, started, ran = [], time.perf_counter(), 0
     for cell in cells:
-        cell_dir = output / cell.name
-        previous = read_cell(cell_dir)
-        if previous and previous.get("status") == "done":
-            records.append(previous)
+        if cell in reusable:
+            records.append(previous[cell])
             continue
-        if cell_dir.exists():
-            shutil.rmtree(cell_dir)  # a failed or interrupted cell starts over
-        cell_dir.mkdir(parents=True)
-        cmd = cell_command(card, cell, tasks, cell_dir, launcher, limit)
-        t0 = time.perf_counter()
-        proc = subprocess.run(cmd, capture_output=True, text=True)
-        seconds = time.perf_counter() - t0
-        (cell_dir / "lmms_eval.log").write_text(proc.stdout + proc.stderr)
-        results = sorted(cell_dir.rglob("*_results.json"))
-        done = proc.returncode == 0 and bool(results)
-        record = dict(
-            card=card.name,
-            backbone=card.backbone,
-            paper_backbone=card.paper_backbone,
-            cell=cell.name,
-            **asdict(cell),
-            tasks=tasks,
-            status="done" if done else "failed",
-            seconds=round(seconds, 2),
-            command=cmd,
-            results=str(results[-1].relative_to(cell_dir)) if results else None,
-            error=None if done else _error_tail(proc),
-        )
-        (cell_dir / CELL_FILE).write_text(json.dumps(record, indent=2) + "\n")
+        record = run_cell(card, cell, tasks, output / cell.name, configs[cell], launcher, limit, max_failed_fraction)
         records.append(record)
         ran += 1
         elapsed = time.perf_counter() - started
         eta = elapsed / ran * (len(todo) - ran)
+        failures = (
+            f", {record['failed_samples']}/{record['samples']} samples failed" if record["failed_samples"] else ""
+        )
         echo(
-            f"[{ran}/{len(todo)}] {cell.name}: {record['status']} in {seconds:.0f} s "
+            f"[{ran}/{len(todo)}] {cell.name}: {record['status']} in {record['seconds']:.0f} s{failures} "
             f"(elapsed {elapsed:.0f} s, ETA {eta:.0f} s)"
         )
-    failed = [r["cell"] for r in records if r["status"] == "failed"]
-    if failed:
-        echo(f"failed cells (see <cell>/cell.json and lmms_eval.log): {', '.join(failed)}")
+    failed = [r for r in records if r["status"] == "failed"]
+    for r in failed:
+        echo(f"failed cell {r['cell']} (see {r['cell']}/cell.json and lmms_eval.log):\n{r['error']}")
     return records
+
+
+def run_cell(
+    card: ModelCard,
+    cell: Cell,
+    tasks: list[str],
+    cell_dir: Path,
+    config: dict,
+    launcher: str | None,
+    limit: int | None,
+    max_failed_fraction: float,
+) -> dict:
+    """Run one cell from scratch and write its `cell.json` (last)."""
+    if cell_dir.exists():
+        shutil.rmtree(cell_dir)  # a failed, interrupted or changed cell starts over
+    cell_dir.mkdir(parents=True)
+    cmd = cell_command(card, cell, tasks, cell_dir, launcher, limit)
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    seconds = time.perf_counter() - t0
+    (cell_dir / "lmms_eval.log").write_text(proc.stdout + proc.stderr)
+    results = sorted(cell_dir.rglob("*_results.json"))
+    runs = read_manifests(cell_dir)
+    samples = sum(m["samples"] for m in runs)
+    failed_samples = sum(m["failed_samples"] for m in runs)
+    if proc.returncode != 0 or not results or not runs:
+        error = _error_tail(proc)
+    elif samples == 0:
+        error = "no samples were answered"
+    elif failed_samples > max_failed_fraction * samples:
+        quoted = "\n".join(f"  {e['task']} doc {e['doc_id']}: {e['error']}" for m in runs for e in m["first_errors"])
+        allowed = f"max_failed_fraction={max_failed_fraction}"
+        error = f"{failed_samples} of {samples} samples failed ({allowed}); first:\n{quoted}"
+    else:
+        error = None
+    record = dict(
+        card=card.name,
+        backbone=card.backbone,
+        paper_backbone=card.paper_backbone,
+        cell=cell.name,
+        **asdict(cell),
+        tasks=tasks,
+        status="failed" if error else "done",
+        samples=samples,
+        failed_samples=failed_samples,
+        seconds=round(seconds, 2),
+        command=cmd,
+        results=str(results[-1].relative_to(cell_dir)) if results else None,
+        error=error,
+        key=config_key(config),
+        config=config,
+    )
+    (cell_dir / CELL_FILE).write_text(json.dumps(record, indent=2, allow_nan=False) + "\n")
+    return record
 
 
 def _error_tail(proc: subprocess.CompletedProcess, lines: int = 20) -> str:

@@ -47,6 +47,13 @@ def results_json(out):
     return json.loads(path.read_text())
 
 
+def run_manifest(out):
+    """The run manifest, which sits beside lmms-eval's results JSON."""
+    (path,) = sorted(out.rglob("resadapt_run_*.json"))
+    assert path.parent == sorted(out.rglob("*_results.json"))[0].parent
+    return json.loads(path.read_text())
+
+
 def test_models_are_registered_through_the_entry_point():
     from lmms_eval.models import get_model
 
@@ -94,6 +101,22 @@ def test_fixed_scale_run_exits_0_and_every_record_is_within_budget(fixtures_dir,
         sorted(tmp_path.rglob("*_results.json"))[0].parent
         == sorted(tmp_path.rglob("resadapt_samples_*.jsonl"))[0].parent
     )
+    # The run manifest: resolved model_args, versions, git revision, outcome.
+    manifest = run_manifest(tmp_path)
+    assert manifest["model"] == f"ResAdapt{'Qwen25VL' if backbone == 'qwen25vl' else 'Qwen3VL'}"
+    args = manifest["model_args"]
+    assert (args["method"], args["retention"], args["max_num_frames"], args["dtype"]) == (
+        "fixed_scale",
+        0.25,
+        8,
+        "float32",
+    )
+    assert (args["s_min"], args["s_max"], args["pair_reduction"]) == (0.2, 1.8, "mean")
+    assert manifest["versions"]["transformers"] and manifest["versions"]["lmms-eval"]
+    assert manifest["git_revision"] is None or len(manifest["git_revision"].split("+")[0]) == 40
+    assert (manifest["samples"], manifest["failed_samples"]) == (len(records), 0)
+    assert manifest["visual_tokens"] == throughput["avg_resadapt_visual_tokens"]
+    assert manifest["mean_retention"] == pytest.approx(throughput["avg_resadapt_mean_retention"])
 
 
 @pytest.fixture
@@ -118,6 +141,26 @@ def test_a_missing_video_is_recorded_and_the_run_goes_on(fixtures_dir, tmp_path,
     assert failed[0]["visual_tokens"] == 0 and failed[0]["achieved_retention"] is None
     assert all(r["achieved_retention"] == 1.0 for r in records if not r["error"])
     assert results_json(tmp_path)["throughput"]["avg_resadapt_failed_samples"] == 1
+    manifest = run_manifest(tmp_path)
+    assert (manifest["samples"], manifest["failed_samples"]) == (len(records), 1)
+    assert manifest["first_errors"] == [dict(task=TASK, doc_id=failed[0]["doc_id"], error=failed[0]["error"])]
+
+
+def test_a_run_where_every_sample_failed_reports_no_retention(fixtures_dir, tmp_path):
+    """An infeasible target fails every sample: the run says so, and claims no retention."""
+    model_args = dict(
+        pretrained=fixtures_dir / "qwen25vl", method="fixed_scale", retention=0.0001, max_num_frames=8, device="cpu"
+    )
+    proc = run_lmms_eval("resadapt_qwen25vl", model_args, tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    records = sidecar_records(tmp_path)
+    assert records and all("retention 0.0001" in r["error"] for r in records)
+    throughput = results_json(tmp_path)["throughput"]
+    assert throughput["avg_resadapt_failed_samples"] == throughput["avg_resadapt_samples"] == len(records)
+    assert "avg_resadapt_mean_retention" not in throughput and "avg_resadapt_pooled_retention" not in throughput
+    manifest = run_manifest(tmp_path)
+    assert manifest["failed_samples"] == len(records)
+    assert manifest["mean_retention"] is None and manifest["pooled_retention"] is None
 
 
 def test_strict_makes_a_missing_video_stop_the_run(fixtures_dir, tmp_path, one_video_missing):
@@ -156,7 +199,7 @@ def test_resadapt_with_the_untrained_allocator_runs_within_budget(fixtures_dir, 
     records = sidecar_records(tmp_path)
     assert len(records) == 8
     for r in records:
-        assert r["error"] is None and r["method"] == "resadapt"
+        assert r["error"] is None and r["method"] == "resadapt" and r["allocator"] == "untrained"
         assert len(r["scales"]) == 8 and len(set(r["scales"])) > 1
         assert len(r["raw_scales"]) == 8
         assert 0.20 <= r["achieved_retention"] <= 0.25

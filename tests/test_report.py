@@ -112,9 +112,9 @@ def test_best_of_each_group_is_bold():
         "Video QA",
         ["a"],
         rows=[
-            dict(card="c", frames=8, method="FixedScale", target=0.25, R=0.24, a=50.0),
-            dict(card="c", frames=8, method="ResAdapt", target=0.25, R=0.23, a=60.0),
-            dict(card="c", frames=8, method="Vanilla", target=None, R=1.0, a=70.0),
+            dict(card="c", frames=8, method="FixedScale", target=0.25, R=0.24, a=50.0, status="done"),
+            dict(card="c", frames=8, method="ResAdapt", target=0.25, R=0.23, a=60.0, status="done"),
+            dict(card="c", frames=8, method="Vanilla", target=None, R=1.0, a=70.0, status="done"),
         ],
     )
     assert table.best() == {(1, "a")}  # vanilla is alone in its group
@@ -170,7 +170,58 @@ def test_a_failing_cell_is_recorded_and_the_sweep_goes_on(fixtures_dir, tmp_path
     assert proc.returncode == 1
     meta = json.loads((tmp_path / "run" / "vanilla-f8" / "cell.json").read_text())
     assert meta["status"] == "failed" and "no-such-model" in meta["error"]
-    assert "failed cells" in proc.stdout
+    assert "failed cell vanilla-f8" in proc.stdout
+
+
+def test_a_changed_limit_does_not_reuse_finished_cells(fixtures_dir, tmp_path):
+    first = subprocess.run(sweep_cmd(tmp_path, "vanilla", limit=1), cwd=REPO, capture_output=True, text=True)
+    assert first.returncode == 0, first.stdout[-2000:] + first.stderr[-2000:]
+    cell = tmp_path / "vanilla-f8" / "cell.json"
+    assert json.loads(cell.read_text())["samples"] == 1
+
+    changed = subprocess.run(sweep_cmd(tmp_path, "vanilla", limit=2), cwd=REPO, capture_output=True, text=True)
+    assert changed.returncode == 2
+    assert "vanilla-f8 changed: limit: 1 -> 2" in changed.stderr and "--rerun-changed" in changed.stderr
+    assert json.loads(cell.read_text())["samples"] == 1  # untouched
+
+    rerun = subprocess.run(
+        sweep_cmd(tmp_path, "vanilla", limit=2) + ["--rerun-changed"], cwd=REPO, capture_output=True, text=True
+    )
+    assert rerun.returncode == 0, rerun.stdout[-2000:]
+    assert "0 already done, 1 to run" in rerun.stdout
+    meta = json.loads(cell.read_text())
+    assert (meta["status"], meta["samples"], meta["config"]["limit"]) == ("done", 2, 2)
+
+
+def test_an_all_failed_cell_is_reported_failed_and_tables_show_the_failures(fixtures_dir, tmp_path):
+    """An infeasible target fails every sample: lmms-eval exits 0 with a score, but the cell is
+    failed (with the first errors) and its table row shows the failure count, not the score."""
+    proc = subprocess.run(
+        sweep_cmd(tmp_path, "vanilla,fixed_scale", retention="0.0001", limit=2),
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+    )
+    assert proc.returncode == 1, proc.stdout[-2000:]
+    meta = json.loads((tmp_path / "fixed_scale-r0.0001-f8" / "cell.json").read_text())
+    assert (meta["status"], meta["samples"], meta["failed_samples"]) == ("failed", 2, 2)
+    assert "2 of 2 samples failed" in meta["error"] and "retention 0.0001" in meta["error"]
+    assert json.loads((tmp_path / "vanilla-f8" / "cell.json").read_text())["status"] == "done"
+
+    rerun = subprocess.run(
+        sweep_cmd(tmp_path, "vanilla,fixed_scale", retention="0.0001", limit=2),
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+    )
+    assert "1 already done, 1 to run" in rerun.stdout  # a failed cell is never taken as done
+
+    (table,) = build_tables(collect(tmp_path, include_failed=True))
+    rows = {row["method"]: row for row in table.rows}
+    assert rows["FixedScale"]["R"] is None and rows["FixedScale"]["resadapt_smoke_videoqa"] is None
+    assert rows["Vanilla"]["R"] == 1.0 and rows["Vanilla"]["resadapt_smoke_videoqa"] is not None
+    assert "| failed 2/2 |" in to_markdown(table)
+    assert [run.method for run in collect(tmp_path)] == ["vanilla"]  # plots read done cells only
 
 
 def test_paper_numbers_sit_beside_ours_with_deltas(tmp_path):
@@ -197,3 +248,27 @@ def test_paper_numbers_sit_beside_ours_with_deltas(tmp_path):
     (table,) = build_tables([run], REPO / "results" / "paper")
     assert table.rows[0]["paper_videomme"] == 58.9
     assert "| 60.0 | 58.9 | +1.1 |" in to_markdown(table, with_paper=True)
+
+
+def test_cells_are_named_and_keyed_by_everything_that_sets_their_result():
+    from dataclasses import replace
+
+    from resadapt_eval.sweep import Cell, cell_config, config_changes, config_key, load_card, plan_cells
+
+    assert Cell("fixed_scale", 0.25, 8).name == "fixed_scale-r0.25-f8"
+    assert Cell("fixed_scale", 0.2500001, 8).name == "fixed_scale-r0.2500001-f8"
+    assert len(plan_cells(["vanilla", "fixed_scale"], [0.25, 0.25, 0.1], [8])) == 3
+    card = load_card(CARD)
+    cell = Cell("fixed_scale", 0.25, 8)
+    base = cell_config(card, cell, ["t"], 4)
+    variants = {
+        "tasks": cell_config(card, cell, ["t", "u"], 4),
+        "limit": cell_config(card, cell, ["t"], None),
+        "card model_args": cell_config(replace(card, model_args={**card.model_args, "s_max": 1.0}), cell, ["t"], 4),
+        "pretrained": cell_config(replace(card, pretrained="other"), cell, ["t"], 4),
+        "frames": cell_config(card, Cell("fixed_scale", 0.25, 16), ["t"], 4),
+    }
+    for name, variant in variants.items():
+        assert config_key(variant) != config_key(base), name
+    assert config_key(cell_config(card, cell, ["t"], 4)) == config_key(base)
+    assert config_changes(base, variants["card model_args"]) == ["card.model_args.s_max: 1.8 -> 1.0"]

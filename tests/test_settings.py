@@ -7,6 +7,8 @@ from resadapt_eval.budget.policies import BudgetSpec
 from resadapt_eval.lmms.models import ResAdaptQwen25VL
 from resadapt_eval.pipeline import VideoPipelineConfig
 
+from .conftest import REPO
+
 BAD = {
     "fixed_scale without retention": (dict(method="fixed_scale"), "retention"),
     "min_pixels above max_pixels": (dict(min_pixels=5000, max_pixels=4000), "min_pixels=5000 exceeds max_pixels=4000"),
@@ -64,3 +66,45 @@ def test_resadapt_without_an_allocator_names_the_committed_checkpoints():
     message = str(error.value)
     assert "allocator=" in message and "allocator=untrained" in message
     assert "results/needle/allocator-qwen25vl" in message and "model_cards/needle-qwen25vl.yaml" in message
+
+
+NEEDLE_ALLOCATOR = REPO / "results" / "needle" / "allocator-qwen25vl"
+
+
+def test_an_allocator_checkpoint_carries_its_training_budget():
+    """The committed needle Allocator was trained with s in [0.1, 1.0] on 16 frames: a bare
+    lmms-eval command gets the settings the needle card spells out, and an explicit setting that
+    differs wins with a warning naming both values."""
+    from loguru import logger
+
+    from resadapt_eval.lmms.models import config_from_model_args
+    from resadapt_eval.sweep import load_card
+
+    card = load_card(REPO / "model_cards" / "needle-qwen25vl.yaml")
+    card_args = {k: v for k, v in card.model_args.items() if k not in ("device", "dtype")}
+    from_card = config_from_model_args(
+        method="resadapt", allocator=card.allocator, retention=0.25, max_num_frames=card.frames[0], **card_args
+    )
+    bare = config_from_model_args(method="resadapt", allocator=str(NEEDLE_ALLOCATOR), retention=0.25)
+    assert (bare.budget.s_min, bare.budget.s_max, bare.max_num_frames) == (0.1, 1.0, 16)
+    assert bare.budget == from_card.budget and bare.max_num_frames == from_card.max_num_frames
+
+    warnings = []
+    sink = logger.add(warnings.append, level="WARNING", format="{message}")
+    try:
+        overridden = config_from_model_args(
+            method="resadapt", allocator=str(NEEDLE_ALLOCATOR), retention=0.25, s_max="1.8"
+        )
+    finally:
+        logger.remove(sink)
+    assert overridden.budget.s_max == 1.8 and overridden.budget.s_min == 0.1
+    assert any("s_max=1.8 differs from the s_max=1.0" in str(w) for w in warnings)
+
+
+def test_a_corrupt_training_budget_is_an_error_naming_the_file(tmp_path):
+    from resadapt_eval.allocator import CheckpointError
+    from resadapt_eval.lmms.models import config_from_model_args
+
+    (tmp_path / "budget.json").write_text('{"s_max": 1.0, "s_mx": 2}')
+    with pytest.raises(CheckpointError, match=r"budget.json: unknown budget settings \['s_mx'\]"):
+        config_from_model_args(method="resadapt", allocator=str(tmp_path), retention=0.25)

@@ -1,7 +1,7 @@
 """The ResAdapt Allocator: model, frozen encoders, checkpoints, inference."""
 
 from .encoders import ENCODERS, FrozenEncoders, build_encoders
-from .inference import UNTRAINED, AllocatorPolicy, known_allocators, load_allocator
+from .inference import BUDGET_FILE, UNTRAINED, AllocatorPolicy, known_allocators, load_allocator, training_budget
 from .model import (
     INFERENCE_MODES,
     Allocator,
@@ -13,6 +13,7 @@ from .model import (
 )
 
 __all__ = [
+    "BUDGET_FILE",
     "Allocator",
     "AllocatorConfig",
     "AllocatorPolicy",
@@ -27,4 +28,5 @@ __all__ = [
     "load_allocator",
     "logit_normal_actions",
     "logit_normal_mean",
+    "training_budget",
 ]

@@ -7,6 +7,7 @@ encode, scale prediction) in seconds, as the paper's latency table splits it.
 
 from __future__ import annotations
 
+import json
 import time
 from pathlib import Path
 
@@ -14,10 +15,21 @@ import numpy as np
 import torch
 import yaml
 
-from .model import INFERENCE_MODES, Allocator, AllocatorConfig
+from .model import INFERENCE_MODES, Allocator, AllocatorConfig, CheckpointError
 
 UNTRAINED = "untrained"
 REPO = Path(__file__).resolve().parents[2]
+BUDGET_FILE = "budget.json"  # beside an Allocator checkpoint's config.json: the budget it was trained with
+BUDGET_KEYS = (
+    "s_min",
+    "s_max",
+    "min_tokens_per_pair",
+    "max_tokens_per_pair",
+    "pair_reduction",
+    "max_num_frames",
+    "min_pixels",
+    "max_pixels",
+)
 
 
 def load_allocator(spec: str, device: str | torch.device = "cpu") -> Allocator:
@@ -28,6 +40,24 @@ def load_allocator(spec: str, device: str | torch.device = "cpu") -> Allocator:
     else:
         allocator = Allocator.from_pretrained(Path(spec))
     return allocator.to(device).eval()
+
+
+def training_budget(spec: str | None) -> dict:
+    """The budget settings an Allocator checkpoint was trained with, keyed as model_args (its
+    `budget.json`); empty for `untrained` or a checkpoint saved without one."""
+    if spec in (None, UNTRAINED):
+        return {}
+    path = Path(spec) / BUDGET_FILE
+    if not path.is_file():
+        return {}
+    try:
+        budget = json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise CheckpointError(f"{path}: not valid JSON ({exc})") from exc
+    unknown = sorted(set(budget) - set(BUDGET_KEYS))
+    if unknown:
+        raise CheckpointError(f"{path}: unknown budget settings {unknown}; known: {', '.join(BUDGET_KEYS)}")
+    return budget
 
 
 def known_allocators() -> list[str]:

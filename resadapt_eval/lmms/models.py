@@ -10,6 +10,7 @@ import argparse
 import json
 import sys
 import time
+from dataclasses import asdict
 from pathlib import Path
 from typing import get_args, get_type_hints
 
@@ -21,8 +22,10 @@ from lmms_eval.utils import sanitize_model_name
 from loguru import logger
 from tqdm import tqdm
 
+from ..allocator import BUDGET_FILE, training_budget
 from ..backbones.qwen import Qwen3VLAdapter, Qwen25VLAdapter, QwenVideoAdapter
 from ..budget.policies import BudgetSpec
+from ..manifest import git_revision, merge_totals, run_summary, sample_totals, versions, write_json
 from ..methods import METHODS
 from ..pipeline import Request, VideoPipeline, VideoPipelineConfig
 from ..record import SampleRecord, build_record
@@ -92,6 +95,16 @@ class ResAdaptQwen(lmms):
         self.batch_size_per_gpu = 1
         self.sidecar_dir = self._sidecar_dir(sidecar_dir, str(pretrained))
         self.started = time.strftime("%Y%m%dT%H%M%S")
+        self.model_args = dict(
+            pretrained=str(pretrained),
+            device=device,
+            dtype=dtype,
+            attn_implementation=attn_implementation,
+            **{k: v for k, v in asdict(config).items() if k != "budget"},
+            **asdict(config.budget),
+        )
+        self.allocator_budget = training_budget(config.allocator)
+        self._totals: list[dict] = []  # per generate_until call, summed over processes
 
     def _build_backbone(
         self, pretrained: str, config: VideoPipelineConfig, device: str, dtype: str, attn_implementation: str | None
@@ -130,7 +143,7 @@ class ResAdaptQwen(lmms):
                 for pad in padding:
                     text, record = ("", None) if pad else next(answers)
                     if record is not None:
-                        sidecar.write(json.dumps(record.to_dict()) + "\n")
+                        sidecar.write(json.dumps(record.to_dict(), allow_nan=False) + "\n")
                         records.append(record)
                     counts = TokenCounts(
                         input_tokens=record.input_tokens if record else 0,
@@ -206,35 +219,50 @@ class ResAdaptQwen(lmms):
         )
 
     def _log_run(self, records: list[SampleRecord]) -> None:
-        """Run totals into lmms-eval's results JSON (`throughput`, as avg_resadapt_* keys), summed
-        over every process of a data-parallel run."""
-        done = [r for r in records if r.error is None]
-        totals = dict(
-            samples=len(records),
-            done=len(done),
-            visual=sum(r.visual_tokens for r in done),
-            reference=sum(r.reference_tokens for r in done),
-            retention=sum(r.achieved_retention for r in done),
-            seconds=sum(r.generate_s for r in done),
-            tokens=sum(r.output_tokens for r in done),
-        )
+        """Run totals, summed over every process of a data-parallel run: into lmms-eval's results
+        JSON (`throughput`, as avg_resadapt_* keys; retention keys only when a sample succeeded)
+        and, from the main process, into the run manifest beside it."""
+        totals = sample_totals(records)
         if self.world_size > 1:
             from accelerate.utils import gather_object
 
-            per_rank = gather_object([totals])
-            totals = {key: sum(t[key] for t in per_rank) for key in totals}
+            totals = merge_totals(gather_object([totals]))
+        self._totals.append(totals)
+        summary = run_summary(totals)
+        retention = {
+            f"resadapt_{k}": summary[k] for k in ("mean_retention", "pooled_retention") if summary[k] is not None
+        }
         log_metrics(
-            total_elapsed_time=totals["seconds"],
-            total_gen_tokens=totals["tokens"],
+            total_elapsed_time=totals["generate_s"],
+            total_gen_tokens=totals["output_tokens"],
             avg_speed=0.0,
             additional_metrics={
-                "resadapt_samples": totals["samples"],
-                "resadapt_failed_samples": totals["samples"] - totals["done"],
-                "resadapt_visual_tokens": totals["visual"],
-                "resadapt_reference_tokens": totals["reference"],
-                "resadapt_mean_retention": totals["retention"] / totals["done"] if totals["done"] else 0.0,
-                "resadapt_pooled_retention": totals["visual"] / totals["reference"] if totals["reference"] else 0.0,
+                "resadapt_samples": summary["samples"],
+                "resadapt_failed_samples": summary["failed_samples"],
+                "resadapt_visual_tokens": summary["visual_tokens"],
+                "resadapt_reference_tokens": summary["reference_tokens"],
+                **retention,
             },
+        )
+        if self.rank == 0:
+            write_json(self.manifest_path, self.manifest())
+
+    @property
+    def manifest_path(self) -> Path:
+        return self.sidecar_dir / f"resadapt_run_{self.started}.json"
+
+    def manifest(self) -> dict:
+        """What this run was asked (resolved model_args), what ran it and what it produced so far."""
+        return dict(
+            model=type(self).__name__,
+            model_args=self.model_args,
+            allocator_budget=self.allocator_budget,
+            world_size=self.world_size,
+            versions=versions(),
+            git_revision=git_revision(),
+            started=self.started,
+            sidecars=f"resadapt_samples_{self.started}_rank*.jsonl",
+            **run_summary(merge_totals(self._totals)),
         )
 
     def loglikelihood(self, requests):
@@ -247,7 +275,9 @@ class ResAdaptQwen(lmms):
 def config_from_model_args(**model_args) -> VideoPipelineConfig:
     """`VideoPipelineConfig` from lmms-eval model_args (strings or numbers): every field of the
     config and of its `BudgetSpec` is a model_arg of the same name, cast to the field's type
-    (`none` for an optional one); an unknown name or a value of the wrong type is an error naming it."""
+    (`none` for an optional one); an unknown name or a value of the wrong type is an error naming it.
+    An Allocator checkpoint's training budget (`budget.json`) fills the settings not given, and a
+    given one that differs from it is warned about."""
     fields = {**get_type_hints(VideoPipelineConfig), **get_type_hints(BudgetSpec)}
     fields.pop("budget")
     unknown = sorted(set(model_args) - set(fields))
@@ -257,8 +287,25 @@ def config_from_model_args(**model_args) -> VideoPipelineConfig:
             f"sidecar_dir, {', '.join(fields)}"
         )
     values = {name: _cast(name, value, fields[name]) for name, value in model_args.items()}
+    values = _with_training_budget(values)
     budget = BudgetSpec(**{name: values.pop(name) for name in get_type_hints(BudgetSpec) if name in values})
     return VideoPipelineConfig(budget=budget, **values)
+
+
+def _with_training_budget(values: dict) -> dict:
+    """`values` with the settings of the Allocator checkpoint's training budget that were not given."""
+    trained = training_budget(values.get("allocator"))
+    taken = {key: value for key, value in trained.items() if key not in values}
+    for key, value in trained.items():
+        if key in values and values[key] != value:
+            logger.warning(
+                f"model_args {key}={values[key]} differs from the {key}={value} the Allocator {values['allocator']} "
+                f"was trained with (its {BUDGET_FILE}); running with {key}={values[key]}"
+            )
+    if taken:
+        settings = ", ".join(f"{k}={v}" for k, v in taken.items())
+        logger.info(f"budget settings from the Allocator's training ({values['allocator']}/{BUDGET_FILE}): {settings}")
+    return {**values, **taken}
 
 
 def _cast(name: str, value, hint):

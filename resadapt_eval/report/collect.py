@@ -74,6 +74,9 @@ class CellRun:
     retention: float | None
     frames: int
     path: Path
+    status: str = "done"  # or "failed": more samples failed than the sweep allowed
+    samples: int = 0
+    failed_samples: int = 0
     scores: dict[str, float] = field(default_factory=dict)  # column -> score
     columns_by_table: dict[str, list[str]] = field(default_factory=dict)
     records: list[dict] = field(default_factory=list)  # sidecar lines
@@ -87,6 +90,11 @@ class CellRun:
             if r["error"] is None and (table is None or table_of(r["task"]) == table)
         ]
         return sum(rs) / len(rs) if rs else None
+
+    @property
+    def untrained(self) -> bool:
+        """The cell ran the untrained Allocator (`allocator=untrained`)."""
+        return any(r.get("allocator") == "untrained" for r in self.records)
 
 
 def sample_score(sample: dict) -> float | None:
@@ -112,12 +120,14 @@ def sample_score(sample: dict) -> float | None:
     return None
 
 
-def collect(run_dir: str | Path) -> list[CellRun]:
-    """Every `done` cell under `run_dir` (a sweep's --output)."""
+def collect(run_dir: str | Path, include_failed: bool = False) -> list[CellRun]:
+    """Every `done` cell under `run_dir` (a sweep's --output); with `include_failed`, also the
+    cells that ran to the end but had more failed samples than allowed (status `failed`)."""
     runs = []
     for cell_file in sorted(Path(run_dir).glob(f"*/{CELL_FILE}")):
         meta = json.loads(cell_file.read_text())
-        if meta.get("status") != "done":
+        finished = meta.get("status") == "done" or (include_failed and meta.get("results") and "samples" in meta)
+        if not finished:
             continue
         cell_dir = cell_file.parent
         results = json.loads((cell_dir / meta["results"]).read_text())
@@ -129,6 +139,9 @@ def collect(run_dir: str | Path) -> list[CellRun]:
             retention=meta["retention"],
             frames=meta["frames"],
             path=cell_dir,
+            status=meta["status"],
+            samples=meta.get("samples", 0),
+            failed_samples=meta.get("failed_samples", 0),
         )
         for task, values in results["results"].items():
             scores = task_scores(task, values)

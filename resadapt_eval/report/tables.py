@@ -1,5 +1,7 @@
 """The paper's tables from a sweep: video QA (Table 1), temporal grounding (Table 2), image
 transfer; Markdown, LaTeX (booktabs) and CSV, achieved R on every row, best of each group in bold.
+A cell with more failed samples than its sweep allowed shows `failed k/n` instead of scores (the
+CSV: empty scores, its status and counts); rows of the untrained Allocator say so.
 
 Rows are (card, frames, method, target R); a group is the rows sharing card, frames and target R
 (vanilla is its own group). `paper=True` adds, for every score, the paper's number for the same
@@ -40,7 +42,7 @@ class Table:
             if len(rows) < 2:
                 continue
             for col in self.columns:
-                values = [r[col] for r in rows if r.get(col) is not None]
+                values = [r[col] for r in rows if r.get(col) is not None and r["status"] == "done"]
                 if values:
                     top = max(values)
                     marks |= {(self.rows.index(r), col) for r in rows if r.get(col) == top}
@@ -64,11 +66,15 @@ def build_tables(runs: list[CellRun], paper_dir: Path | None = None) -> list[Tab
             row = dict(
                 card=run.card,
                 frames=run.frames,
-                method=METHODS[run.method].display_name,
+                method=METHODS[run.method].display_name + (" (untrained)" if run.untrained else ""),
                 target=run.retention,
                 R=run.achieved_retention(name),
+                status=run.status,
+                samples=run.samples,
+                failed_samples=run.failed_samples,
             )
-            row.update({c: run.scores.get(c) for c in columns})
+            done = run.status == "done"  # a failed cell's scores are not results: its row shows the failures
+            row.update({c: run.scores.get(c) if done else None for c in columns})
             if paper_dir:
                 match = paper_row(paper, run)
                 row.update({f"paper_{c}": _number(match.get(c)) if match else None for c in columns})
@@ -121,7 +127,7 @@ def _cells(table: Table, row: dict, with_paper: bool) -> list[str]:
     """Display cells of one row (without bold)."""
     out = [row["card"], str(row["frames"]), row["method"], _fmt(None if row["R"] is None else 100 * row["R"]) + "%"]
     for col in table.columns:
-        out.append(_fmt(row[col]))
+        out.append(_fmt(row[col]) if row["status"] == "done" else f"failed {row['failed_samples']}/{row['samples']}")
         if with_paper:
             paper = row.get(f"paper_{col}")
             out += [_fmt(paper), "—" if paper is None or row[col] is None else f"{row[col] - paper:+.1f}"]
@@ -188,7 +194,7 @@ def to_latex(table: Table, with_paper: bool = False) -> str:
 
 def to_csv(table: Table, with_paper: bool = False) -> str:
     """Machine-readable: full-precision scores, R as a fraction, the target, the paper columns."""
-    fields = ["card", "frames", "method", "target", "R", *table.columns]
+    fields = ["card", "frames", "method", "target", "R", "status", "samples", "failed_samples", *table.columns]
     if with_paper:
         fields += ["paper_R", *[f"paper_{c}" for c in table.columns]]
     buffer = io.StringIO()
