@@ -24,6 +24,10 @@ BAD = {
     ),
     "no candidates": (dict(method="resadapt", allocator="untrained", operator="select", candidates=0), "candidates"),
     "infinite retention": (dict(method="tome", retention="inf"), "retention must be a finite positive number"),
+    "infinite retention, fixed_scale": (
+        dict(method="fixed_scale", retention="inf"),
+        "retention must be a finite positive number",
+    ),
     "retention not a number": (dict(method="fixed_scale", retention="abc"), "retention='abc': expected float"),
     "strict not a boolean": (dict(strict="maybe"), "strict='maybe'"),
     "unknown dtype": (dict(dtype="bogus"), "dtype='bogus'"),

@@ -53,9 +53,11 @@ def pareto(runs: list[CellRun], out: Path) -> list[Path]:
 def pareto_figure(runs: list[CellRun], column: str, frames: int):
     """Score vs achieved R for one column and frame count, a line per method (its display name)."""
     fig, ax = plt.subplots(figsize=(6, 4.2))
+    untrained = {r.method for r in runs if r.untrained}
     for method, points in pareto_lines(runs, column, frames).items():
         xs, ys = zip(*points)
-        ax.plot(xs, ys, marker="o", linewidth=1.8, label=METHODS[method].display_name)
+        label = METHODS[method].display_name + (" (untrained)" if method in untrained else "")
+        ax.plot(xs, ys, marker="o", linewidth=1.8, label=label)
     ax.set_xlabel("achieved retention R (visual tokens / vanilla)")
     ax.set_ylabel(column)
     ax.set_title(f"{column}, {frames} frames")
