@@ -189,7 +189,7 @@ def test_projection_lands_within_one_pair_grid_step_below_target(num_frames, see
 
 def test_projection_rejects_infeasible_targets():
     base = (252, 308)
-    with pytest.raises(ValueError, match="below the smallest plan"):
+    with pytest.raises(ValueError, match=r"retention 0.001 is below the reachable floor R=0\.0404 "):
         project_to_retention([1.0] * 8, 0.001, base, QWEN25VL_GRID, 0.2, 1.8)
     with pytest.raises(ValueError, match="above the largest plan"):
         project_to_retention([1.0] * 8, 5.0, base, QWEN25VL_GRID, 0.2, 1.8)

@@ -110,7 +110,7 @@ def test_random_drop_is_reproducible_by_seed(adapters):
 
 def test_kept_count_and_pair_budgets():
     assert kept_count(0.25, 400, 4) == 100
-    assert kept_count(0.001, 400, 4) == 4  # at least one per pair
+    assert kept_count(0.01, 400, 4) == 4  # the floor: one token per pair
     assert kept_count(1.0, 400, 4) == 400
     assert per_pair_budget([10, 20, 30], 12) == [2, 4, 6]
     assert sum(per_pair_budget([7, 7, 7], 10)) == 10

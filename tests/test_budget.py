@@ -96,7 +96,8 @@ def test_fixed_scale_lands_within_one_grid_step_below_target(backbone, target, n
 
 
 def test_impossible_retention_says_so():
-    with pytest.raises(ValueError, match="retention 0.001 is impossible"):
+    # 9x11 tokens at s=0.2: round(1.8) x round(2.2) = 2x2 = 4 of 99 tokens.
+    with pytest.raises(ValueError, match=r"retention 0.001 is below the reachable floor R=0\.0404 of fixed_scale"):
         fixed_scale_for_retention(0.001, 8, (252, 308), QWEN25VL_GRID, s_min=0.2, s_max=1.8)
 
 

@@ -13,6 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ..budget.plan import InfeasibleBudget
+
 DROPPED = -1  # assignment value of a token that is removed outright
 
 
@@ -37,14 +39,27 @@ class VisualTokens:
 
 
 def kept_count(retention: float, num_tokens: int, num_pairs: int) -> int:
-    """Tokens to keep: round(R * N), at least one per pair, at most N."""
+    """Tokens to keep: round(R * N), at most N. Every compressor keeps at least one token per frame
+    pair, so R below num_pairs / N raises `InfeasibleBudget`."""
     if not 0 < retention:
         raise ValueError(f"retention must be positive, got {retention}")
-    return min(num_tokens, max(num_pairs, round(retention * num_tokens)))
+    floor = num_pairs / num_tokens
+    if retention < floor:
+        raise InfeasibleBudget(
+            retention, floor, f"token compression, one token per frame pair ({num_pairs} of {num_tokens} tokens)"
+        )
+    return min(num_tokens, round(retention * num_tokens))
+
+
+def check_keep(pair_sizes: list[int], keep: int) -> None:
+    """Raises unless `keep` lies in [one token per pair, all tokens]."""
+    if not len(pair_sizes) <= keep <= sum(pair_sizes):
+        raise ValueError(f"keep={keep} tokens is outside [{len(pair_sizes)} pairs, {sum(pair_sizes)} tokens]")
 
 
 def per_pair_budget(pair_sizes: list[int], keep: int) -> list[int]:
     """Split `keep` over pairs in proportion to their sizes (largest remainder), each in [1, size]."""
+    check_keep(pair_sizes, keep)
     total = sum(pair_sizes)
     quota = [keep * s / total for s in pair_sizes]
     budget = [max(1, min(s, int(q))) for s, q in zip(pair_sizes, quota)]

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import torch
 
-from .common import DROPPED, VisualTokens
+from .common import DROPPED, VisualTokens, check_keep
 
 
 def compress(tokens: VisualTokens, keep: int, seed: int = 0) -> torch.Tensor:
     """One random token per pair first (every pair keeps at least one), the rest uniformly."""
+    check_keep(tokens.pair_sizes, keep)
     n = tokens.features.shape[0]
     generator = torch.Generator().manual_seed(seed)
     chosen = [

@@ -8,6 +8,7 @@ one LLM token per token-edge x token-edge square of a pair.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -15,6 +16,7 @@ import numpy as np
 from qwen_vl_utils import smart_resize
 
 PAIR_REDUCTIONS = ("mean", "max", "min")
+NO_CAP_TOKENS = 1 << 40  # a pair's token cap when max_tokens is None
 
 
 @dataclass(frozen=True)
@@ -51,6 +53,15 @@ def base_size(height: int, width: int, grid: TokenGrid, min_pixels: int, max_pix
     return smart_resize(height, width, factor=grid.token_px, min_pixels=min_pixels, max_pixels=max_pixels)
 
 
+def rounded_sides(base_hw: tuple[int, int], scale: float, grid: TokenGrid) -> tuple[int, int]:
+    """Sides in tokens of `base_hw` pixels times `scale`, each rounded (half to even), at least 1.
+
+    Their product is non-decreasing in `scale`; `scaled_size` keeps it unless it leaves the bounds.
+    """
+    px = grid.token_px
+    return max(1, round(base_hw[0] * scale / px)), max(1, round(base_hw[1] * scale / px))
+
+
 def scaled_size(
     base_hw: tuple[int, int],
     scale: float,
@@ -60,16 +71,32 @@ def scaled_size(
 ) -> tuple[int, int]:
     """Size in pixels of a frame pair resized by `scale` (linear, per side) from `base_hw`.
 
-    Each side is rounded to the token grid with the aspect ratio kept, then the token count is
-    brought into [min_tokens, max_tokens] (explicit bounds; there is no hidden floor).
+    Qwen's `smart_resize` rule in token units: each side is rounded to the token grid with the
+    aspect ratio kept; a token count outside [min_tokens, max_tokens] (explicit bounds, no hidden
+    floor; max_tokens None: NO_CAP_TOKENS) is replaced by the base's aspect ratio fitted to the
+    bound, sides floored under the cap or ceiled over the floor. That replacement depends on the
+    base alone and is computed in integers, so it is the same for every scale past the bound (no
+    float jitter, unlike `smart_resize`). `base_hw` must be a multiple of the token grid.
     """
-    if not scale > 0:
-        raise ValueError(f"scale must be positive, got {scale}")
+    if not 0 < scale < math.inf:
+        raise ValueError(f"scale must be a finite positive number, got {scale}")
     px = grid.token_px
-    max_pixels = (max_tokens if max_tokens is not None else 1 << 40) * px * px
-    return smart_resize(
-        base_hw[0] * scale, base_hw[1] * scale, factor=px, min_pixels=min_tokens * px * px, max_pixels=max_pixels
-    )
+    h, w = rounded_sides(base_hw, scale, grid)
+    cap = max_tokens if max_tokens is not None else NO_CAP_TOKENS
+    if base_hw[0] % px or base_hw[1] % px:
+        raise ValueError(f"base size {base_hw[0]}x{base_hw[1]} px is not a multiple of the {px} px token grid")
+    n_h, n_w = base_hw[0] // px, base_hw[1] // px
+    if h * w > cap:  # floor(sqrt(cap * n_h / n_w)) and its transpose
+        h, w = math.isqrt(cap * n_h // n_w), math.isqrt(cap * n_w // n_h)
+    elif h * w < min_tokens:  # ceil(sqrt(min_tokens * n_h / n_w)) and its transpose
+        h, w = ceil_sqrt_ratio(min_tokens * n_h, n_w), ceil_sqrt_ratio(min_tokens * n_w, n_h)
+    return h * px, w * px
+
+
+def ceil_sqrt_ratio(a: int, b: int) -> int:
+    """ceil(sqrt(a / b)) for positive integers, exactly."""
+    k = math.isqrt(a // b)
+    return k if k * k * b >= a else k + 1
 
 
 def pair_frames(num_frames: int, temporal_patch: int = 2) -> list[tuple[int, ...]]:
@@ -161,40 +188,108 @@ def retention_of_scale(scale: float, num_frames: int, base_hw: tuple[int, int], 
     return plan_from_scales([scale] * num_frames, base_hw, grid, **bounds).retention
 
 
+class InfeasibleBudget(ValueError):
+    """A retention target below the smallest R a method can reach on this sample.
+
+    target: the requested R; floor: the smallest reachable R; what: the method's limit, in words.
+    """
+
+    def __init__(self, target: float, floor: float, what: str):
+        super().__init__(target, floor, what)
+        self.target, self.floor, self.what = target, floor, what
+
+    def __str__(self) -> str:
+        return f"retention {self.target} is below the reachable floor R={self.floor:.4f} of {self.what}"
+
+
+CROSSING_OFFSETS = (-1e-9, 0.0, 1e-9)
+
+
 def fixed_scale_for_retention(
     target: float,
     num_frames: int,
     base_hw: tuple[int, int],
     grid: TokenGrid,
-    s_min: float = 0.0,
-    s_max: float = 1.0,
+    s_min: float,
+    s_max: float,
     **bounds,
 ) -> float:
-    """The single scale in [s_min, s_max] whose plan has the largest R not above `target`.
+    """The single scale in [s_min, s_max] whose plan has the largest R not above `target`
+    (the smallest such scale on ties).
 
     A side of n tokens changes its rounded length only where n*s crosses k + 1/2, and Python's
     round-half-to-even makes some lengths exist at that exact point alone (9 tokens at s=0.5 give
-    round(4.5)=4 rows, just above give 5, just below 4). So every crossing is tried at, just
-    below and just above it, plus the range ends. Raises when even s_min exceeds the target.
+    round(4.5)=4 rows, just above give 5, just below 4). So the candidates are every crossing, just
+    below and just above it, plus the range ends. A plan's tokens depend on the scale only through
+    the rounded count u(s) = rows x columns, non-decreasing in s: u itself inside the token bounds,
+    one constant below them, another above. So three candidates decide: s_min, the first scale of
+    the largest in-bounds u not above the target, the first scale above the cap. Each is found by
+    bisection on u and a look at the few crossings around the step, in O(log(s_max / s_min)) plans.
+    Raises `InfeasibleBudget` when every candidate exceeds the target.
     """
     if not 0 < target:
         raise ValueError(f"retention must be positive, got {target}")
-    lo = max(s_min, 1e-6)
-    sides = (base_hw[0] // grid.token_px, base_hw[1] // grid.token_px)
-    crossings = {(k + 0.5) / n for n in sides for k in range(int(s_max * n) + 1)}
-    candidates = {lo, s_max} | {c + d for c in crossings for d in (-1e-9, 0.0, 1e-9)}
-    best_r, best_s = -1.0, None
-    for s in sorted(c for c in candidates if lo <= c <= s_max):
-        r = retention_of_scale(s, num_frames, base_hw, grid, **bounds)
-        if best_r < r <= target:
-            best_r, best_s = r, s
-    if best_s is None:
-        floor = retention_of_scale(lo, num_frames, base_hw, grid, **bounds)
-        raise ValueError(
-            f"retention {target} is impossible: the smallest plan (scale {lo:g}, "
-            f"{base_hw[0]}x{base_hw[1]} px base, {grid.token_px} px tokens) already keeps R={floor:.4f}"
-        )
-    return best_s
+    if not 0 < s_min <= s_max < math.inf:
+        raise ValueError(f"need 0 < s_min <= s_max < inf, got s_min={s_min}, s_max={s_max}")
+    px = grid.token_px
+    sides = (base_hw[0] // px, base_hw[1] // px)
+    vanilla = sides[0] * sides[1]
+    cap = bounds.get("max_tokens_per_pair") or NO_CAP_TOKENS
+    floor_tokens = bounds.get("min_tokens_per_pair", 1)
+
+    def u(s: float) -> int:
+        h, w = rounded_sides(base_hw, s, grid)
+        return h * w
+
+    def candidates(lo: float, hi: float) -> list[float]:
+        """Candidate scales in [lo, hi], sorted."""
+        found = {c for c in (s_min, s_max) if lo <= c <= hi}
+        for n in sides:
+            for k in range(max(0, math.floor(lo * n - 1)), math.ceil(hi * n) + 1):
+                found.update(c for d in CROSSING_OFFSETS if lo <= (c := (k + 0.5) / n + d) <= hi)
+        return sorted(found)
+
+    def first_where(fails) -> float | None:
+        """The smallest candidate whose u fails `fails` (a predicate that, once true, stays true as
+        u grows), or None."""
+        if fails(u(s_min)):
+            return s_min
+        if not fails(u(s_max)):
+            return None
+        a, b = s_min, s_max  # u(a) passes, u(b) fails
+        while b - a > 0.25 / max(sides):  # geometric steps first: O(log log) over wide ranges
+            mid = math.sqrt(a) * math.sqrt(b) if b > 4 * a else 0.5 * (a + b)
+            if not a < mid < b:  # adjacent floats
+                break
+            a, b = (a, mid) if fails(u(mid)) else (mid, b)
+        # The first failing candidate is above a and at most the first candidate past b; a side of
+        # n = min(sides) tokens crosses once in any 1/n, so a window of 2/n above b holds one.
+        return next(c for c in candidates(a, min(s_max, b + 2 / min(sides))) if c > a and fails(u(c)))
+
+    def retention(s: float) -> float:
+        return retention_of_scale(s, num_frames, base_hw, grid, **bounds)
+
+    top = first_where(lambda t: t > cap or t / vanilla > target)  # just past the best in-bounds u
+    # The candidate just below `top`: a side of n = min(sides) tokens crosses once in any 1/n.
+    below = None if top is None else [c for c in candidates(max(s_min, top - 2 / min(sides)), top) if c < top]
+    best_u = s_max if top is None else max(below, default=None)
+    contenders = [s_min]
+    if best_u is not None:
+        level = u(best_u)
+        contenders.append(first_where(lambda t: t >= level))
+    over_cap = first_where(lambda t: t > cap)
+    if over_cap is not None:
+        contenders.append(over_cap)
+    feasible = [(-retention(s), s) for s in contenders if retention(s) <= target]
+    if feasible:
+        return min(feasible)[1]
+    lowest_in_bounds = first_where(lambda t: t >= floor_tokens)
+    floor = min(retention(s) for s in contenders + [lowest_in_bounds] if s is not None)
+    raise InfeasibleBudget(
+        target,
+        floor,
+        f"fixed_scale (one scale in [{s_min:g}, {s_max:g}], {base_hw[0]}x{base_hw[1]} px base, {px} px tokens)",
+    )
 
 
 def project_to_retention(
@@ -227,8 +322,11 @@ def project_jointly(
     not above `target`, and the Allocator's allocation across items is kept.
 
     R(g) is non-decreasing in g, from the all-s_min plans to the all-s_max plans; bisection on g
-    finds the last step at or below the target. A target outside that range is an error.
+    finds the last step at or below the target. A target below the all-s_min plan raises
+    `InfeasibleBudget`; one above the all-s_max plan, ValueError.
     """
+    if not 0 < s_min <= s_max < math.inf:
+        raise ValueError(f"need 0 < s_min <= s_max < inf, got s_min={s_min}, s_max={s_max}")
     items = [np.asarray(s, dtype=np.float64) for s in scales]
     if not items or any(s.ndim != 1 or not len(s) or not (s > 0).all() for s in items):
         raise ValueError("scales must be non-empty 1-D arrays of positive numbers")
@@ -243,18 +341,17 @@ def project_jointly(
     g_lo, g_hi = s_min / flat.max(), s_max / flat.min()  # every frame at s_min / at s_max
     r_lo, r_hi = retention_at(g_lo), retention_at(g_hi)
     if not r_lo <= target:
-        raise ValueError(f"retention {target} is below the smallest plan (every frame at s_min={s_min}: R={r_lo:.4f})")
+        raise InfeasibleBudget(target, r_lo, f"scales in [{s_min:g}, {s_max:g}] (every frame at s_min={s_min:g})")
     if target > r_hi:
         raise ValueError(f"retention {target} is above the largest plan (every frame at s_max={s_max}: R={r_hi:.4f})")
     if target == r_hi:
         g_lo = g_hi
-    else:
-        for _ in range(60):
-            mid = 0.5 * (g_lo + g_hi)
-            if retention_at(mid) <= target:
-                g_lo = mid
-            else:
-                g_hi = mid
-            if g_hi - g_lo <= 1e-12 * g_hi:
-                break
+    # Geometric bisection: a relative width of 1e-12 in about 40 + log2(ln(g_hi / g_lo)) steps, for
+    # any s-range; each step halves ln(g_hi / g_lo), which stays far above the float resolution.
+    while g_hi - g_lo > 1e-12 * g_hi:
+        mid = math.sqrt(g_lo) * math.sqrt(g_hi)
+        if retention_at(mid) <= target:
+            g_lo = mid
+        else:
+            g_hi = mid
     return [np.clip(g_lo * s, s_min, s_max) for s in items]

@@ -33,8 +33,8 @@ class BudgetSpec:
     pair_reduction: str = "mean"
 
     def __post_init__(self):
-        if not 0 < self.s_min <= self.s_max:
-            raise ValueError(f"need 0 < s_min <= s_max, got s_min={self.s_min}, s_max={self.s_max}")
+        if not 0 < self.s_min <= self.s_max < math.inf:
+            raise ValueError(f"need 0 < s_min <= s_max < inf, got s_min={self.s_min}, s_max={self.s_max}")
         if self.retention is not None and not 0 < self.retention < math.inf:
             raise ValueError(f"retention must be a finite positive number, got {self.retention}")
         if self.pair_reduction not in PAIR_REDUCTIONS:
