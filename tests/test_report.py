@@ -71,7 +71,8 @@ def test_every_table_cell_equals_the_results_json_and_r_the_sidecar_mean(run_dir
     assert table.name == "video_qa" and table.columns == ["resadapt_smoke_videoqa"]
     assert len(table.rows) == 5
     for row in table.rows:
-        method = {"Vanilla": "vanilla", "FixedScale": "fixed_scale", "ResAdapt": "resadapt"}[row["method"]]
+        # the tiny card runs the untrained Allocator on purpose, and its rows say so
+        method = {"Vanilla": "vanilla", "FixedScale": "fixed_scale", "ResAdapt (untrained)": "resadapt"}[row["method"]]
         cell = "vanilla-f8" if row["target"] is None else f"{method}-r{row['target']:g}-f8"
         meta = json.loads((run_dir / cell / "cell.json").read_text())
         results = json.loads((run_dir / cell / meta["results"]).read_text())
