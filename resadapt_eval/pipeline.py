@@ -23,7 +23,7 @@ from .budget.policies import BudgetSpec
 from .budget.selection import OPERATORS
 from .methods import METHODS, NO_RETENTION, REQUIRED_RETENTION, get_method
 from .record import SampleRecord, build_record
-from .video import DecodedVideo, decode_video
+from .video import DecodedVideo, decode_video, read_image
 
 
 @dataclass
@@ -214,7 +214,7 @@ class VideoPipeline:
     # ------------------------------------------------------------------ stages
     def decode(self, request: Request) -> Decoded:
         """The frames this method starts from: `max_num_frames` of the video (all `candidates`
-        when selecting frames), or the request's images."""
+        when selecting frames), or the request's images (PIL, uint8 (H, W, 3), or image file path strings)."""
         t0 = time.perf_counter()
         if request.video is not None:
             selecting = self.config.operator != "resize"
@@ -233,7 +233,10 @@ class VideoPipeline:
                     f"{type(self.backbone).__name__} answers video requests; image suites run on the HF classes"
                 )
             frames = [
-                np.array(im.convert("RGB") if hasattr(im, "convert") else im, dtype=np.uint8) for im in request.images
+                read_image(im)
+                if isinstance(im, str)
+                else np.array(im.convert("RGB") if hasattr(im, "convert") else im, dtype=np.uint8)
+                for im in request.images
             ]
             items = tuple(DecodedVideo(frames=f[None], indices=[0], total_frames=1, fps=1.0) for f in frames)
         return Decoded(items=items, images=request.video is None, seconds=time.perf_counter() - t0)

@@ -17,7 +17,7 @@ from typing import get_args, get_type_hints
 from lmms_eval.api.instance import GenerationResult, Instance, TokenCounts
 from lmms_eval.api.model import lmms
 from lmms_eval.models.model_utils.gen_metrics import log_metrics
-from lmms_eval.protocol import ChatMessages
+from lmms_eval.protocol import ChatMessages, ChatVideoContent
 from lmms_eval.utils import sanitize_model_name
 from loguru import logger
 from tqdm import tqdm
@@ -29,6 +29,7 @@ from ..manifest import git_revision, merge_totals, run_summary, sample_totals, v
 from ..methods import METHODS
 from ..pipeline import Request, VideoPipeline, VideoPipelineConfig
 from ..record import SampleRecord, build_record
+from ..video import is_moving_video
 from .manifests import class_name
 
 
@@ -194,8 +195,17 @@ class ResAdaptQwen(lmms):
         return answers
 
     def _request(self, messages: list, gen_kwargs: dict, doc_id: int, task: str) -> Request:
-        """The pipeline request of one lmms-eval document's chat messages."""
+        """The pipeline request of one lmms-eval document's chat messages. lmms-eval files `.webm`
+        paths under audio and every `.gif` under image: a path to a file of more than one video frame
+        is a video here; other image paths are read by the pipeline."""
         messages = ChatMessages(messages=messages)
+        for message in messages.messages:
+            message.content = [
+                ChatVideoContent(url=part.url)
+                if part.type in ("image", "audio") and isinstance(part.url, str) and is_moving_video(part.url)
+                else part
+                for part in message.content
+            ]
         images, videos, _ = messages.extract_media()
         if (images and videos) or len(videos) > 1 or not (images or videos):
             raise ValueError(
