@@ -3,8 +3,10 @@
     output_dir: runs/allocator          # checkpoints/, metrics.jsonl
     data: path/to/train.jsonl           # see train/data.py for the columns
     backbone: {family: qwen25vl, pretrained: PATH, device: cpu, dtype: float32, attn_implementation: null}
+                                        # device: cuda = each process's own GPU under `accelerate launch`
     rollout: {max_num_frames: 8, max_new_tokens: 32, temperature: 1.0, check_format: false,
               min_pixels: null, max_pixels: null, min_tokens_per_pair: 1, max_tokens_per_pair: null,
+              pair_reduction: mean,
               answer: generate, choices: ABCD,          # or choice_logits (multiple choice, one forward)
               retention: null, s_min: 0.2, s_max: 1.8}  # R or [lo, hi] (R drawn per prompt): project each
                                                         # allocation onto R within [s_min, s_max]
@@ -41,6 +43,7 @@ ROLLOUT_KEYS = (
     "max_pixels",
     "min_tokens_per_pair",
     "max_tokens_per_pair",
+    "pair_reduction",
     "answer",
     "choices",
     "retention",
@@ -81,6 +84,10 @@ def build_trainer(config_path: str | Path, steps: int | None = None) -> Allocato
     pretrained = backbone_cfg["pretrained"]
     pretrained = resolve(pretrained) if Path(path.parent / pretrained).exists() else pretrained
     device = backbone_cfg.get("device", "cpu")
+    if device == "cuda":  # one process per GPU under `accelerate launch`: this process's own (cuda:LOCAL_RANK)
+        from accelerate import PartialState
+
+        device = str(PartialState().device)
     adapter = ADAPTERS[family].from_pretrained(
         pretrained,
         device=device,
@@ -95,6 +102,7 @@ def build_trainer(config_path: str | Path, steps: int | None = None) -> Allocato
         s_max=rollout.get("s_max", 1.8),
         min_tokens_per_pair=rollout.get("min_tokens_per_pair", 1),
         max_tokens_per_pair=rollout.get("max_tokens_per_pair"),
+        pair_reduction=rollout.get("pair_reduction", "mean"),
     )
     engine = HFRolloutEngine(
         adapter,

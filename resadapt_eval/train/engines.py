@@ -57,7 +57,8 @@ class HFRolloutEngine:
 
     answer: `generate` (HF generate, `max_new_tokens`) or `choice_logits` (one forward pass over
     the option letters in `choices`; multiple-choice samples only). retention: None, R, or
-    (lo, hi). seed: for the choice sampler and the per-prompt R.
+    (lo, hi). seed: for the choice sampler and the per-prompt R (a `rollouts` call given its own
+    seed draws from a generator seeded by it instead: the trainer's per-prompt seeds).
     """
 
     def __init__(
@@ -107,14 +108,29 @@ class HFRolloutEngine:
             return torch.nn.functional.one_hot(logits.argmax(), len(self.choices)).float()
         return torch.softmax(logits / self.temperature, dim=-1)
 
-    def answers(self, inputs: dict, n: int) -> list[tuple[str, torch.Tensor]]:
-        """n responses (text, token ids) to one built input."""
+    def budget_settings(self) -> dict:
+        """The budget the rollouts are planned under, keyed as the inference model_args."""
+        spec = self.budget
+        return dict(
+            s_min=spec.s_min,
+            s_max=spec.s_max,
+            min_tokens_per_pair=spec.min_tokens_per_pair,
+            max_tokens_per_pair=spec.max_tokens_per_pair,
+            pair_reduction=spec.pair_reduction,
+            max_num_frames=self.max_num_frames,
+            min_pixels=self.planner.min_pixels,
+            max_pixels=self.planner.max_pixels,
+        )
+
+    def answers(self, inputs: dict, n: int, generator: torch.Generator) -> list[tuple[str, torch.Tensor]]:
+        """n responses (text, token ids) to one built input (HF generate samples from torch's
+        global RNG; the choice sampler from `generator`)."""
         if self.answer == "generate":
             return [
                 self.adapter.generate_ids(inputs, max_new_tokens=self.max_new_tokens, temperature=self.temperature)
                 for _ in range(n)
             ]
-        picks = torch.multinomial(self.choice_probs(inputs), n, replacement=True, generator=self.generator)
+        picks = torch.multinomial(self.choice_probs(inputs), n, replacement=True, generator=generator)
         return [(self.choices[k], self.choice_ids[k : k + 1]) for k in picks.tolist()]
 
     def prompt(self, sample: TrainSample) -> Prompt:
@@ -131,8 +147,18 @@ class HFRolloutEngine:
             frames=video.frames, query=sample.question, sample=sample, state=dict(video=video, base=base, chat=chat)
         )
 
-    def rollouts(self, prompt: Prompt, scales: np.ndarray, n: int, keep_backbone_inputs: bool = False) -> Rollouts:
+    def rollouts(
+        self,
+        prompt: Prompt,
+        scales: np.ndarray,
+        n: int,
+        keep_backbone_inputs: bool = False,
+        seed: int | None = None,
+    ) -> Rollouts:
+        """n scored rollouts for each allocation in `scales` (M, T); with `seed`, this prompt's
+        draws (its R, the option letters) come from a generator seeded by it."""
         sample: TrainSample = prompt.sample
+        generator = self.generator if seed is None else torch.Generator().manual_seed(seed)
         if self.answer == "choice_logits" and sample.task_type != "multiple_choice":
             raise ValueError(
                 f"answer=choice_logits scores multiple-choice samples only; {sample.video} is {sample.task_type!r}"
@@ -141,14 +167,14 @@ class HFRolloutEngine:
         base = prompt.state["base"]
         if self.retention is not None:
             lo, hi = self.retention
-            target = lo + (hi - lo) * float(torch.rand((), generator=self.generator))
+            target = lo + (hi - lo) * float(torch.rand((), generator=generator))
         for allocation in scales:
             if self.retention is not None:
                 (allocation,) = self.planner.fit([allocation], [base], target)
             plan = self.planner.plan(allocation, base)
             inputs = self.adapter.build_inputs(prompt.state["chat"], prompt.state["video"], plan)
             row_r, row_u, row_b = [], [], []
-            for text, ids in self.answers(inputs, n):
+            for text, ids in self.answers(inputs, n, generator):
                 score = task_score(sample.task_type, text, sample.answer, sample.segments)
                 row_r.append(task_reward(score, text, self.check_format))
                 row_u.append(is_correct(sample.task_type, score))
@@ -221,9 +247,22 @@ class SimulatedBackbone:
         logit = self.k_ev * (scales[:, evidence].mean(axis=1) - self.s_read) + self.k_ctx * (scales.mean(axis=1) - 1.0)
         return self.p_min + (self.p_max - self.p_min) / (1 + np.exp(-logit))
 
-    def rollouts(self, prompt: Prompt, scales: np.ndarray, n: int, keep_backbone_inputs: bool = False) -> Rollouts:
+    def budget_settings(self) -> None:
+        """No token budget: R is approximated by mean(s^2)."""
+        return None
+
+    def rollouts(
+        self,
+        prompt: Prompt,
+        scales: np.ndarray,
+        n: int,
+        keep_backbone_inputs: bool = False,
+        seed: int | None = None,
+    ) -> Rollouts:
+        """With `seed`, the noise comes from a generator seeded by it (the trainer's per-prompt seeds)."""
+        rng = self.rng if seed is None else np.random.default_rng(seed)
         q = self.quality(scales, prompt.sample.evidence)
-        score = np.clip(q[:, None] + self.rng.normal(0, self.noise, (len(scales), n)), 0, 1).astype(np.float32)
+        score = np.clip(q[:, None] + rng.normal(0, self.noise, (len(scales), n)), 0, 1).astype(np.float32)
         return Rollouts(
             torch.from_numpy(score),
             torch.from_numpy((score > self.threshold).astype(np.float32)),

@@ -2,15 +2,25 @@
 CAPO advantages, PPO epochs on the Allocator; optionally a token-level PPO step on the backbone.
 
 Checkpoints go to `output_dir/checkpoints/step-XXXXXX/` (`allocator/` loadable by
-`method=resadapt,allocator=...`, `trainer.pt` with optimiser and RNG state, `backbone/` when the
-backbone is trained); per-step metrics to `output_dir/metrics.jsonl`.
+`method=resadapt,allocator=...`, with `budget.json`: the rollout engine's budget settings;
+`trainer.pt` with the step and optimiser state; `backbone/` when the backbone is trained);
+per-step metrics to `output_dir/metrics.jsonl`.
+
+Data parallel (`accelerate launch --num_processes W ... -m resadapt_eval.cli train ...`): each step's
+global batch of `batch_size` prompts is split over the W processes (prompt j goes to process
+j % W); every prompt's randomness (its M sampled allocations, the backbone's sampled answers, the
+engine's draws) is seeded by (seed, step, j) alone (`prompt_seed`), so W processes draw what one
+process draws; each process's loss is the mean over its equal share, and DDP averages the
+gradients, which is the single-process mean. Metrics are gathered from every process before
+process 0 writes them; process 0 writes the checkpoints; a resume loads the same checkpoint on
+every process (no RNG state is needed: it is re-derived from the step).
 """
 
 from __future__ import annotations
 
 import json
-import random
 import shutil
+from contextlib import nullcontext
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -32,6 +42,7 @@ from ..capo.losses import (
 
 CHECKPOINTS = "checkpoints"
 COMPLETE = "complete"  # written last in a checkpoint folder
+BUDGET_NAME = "budget.json"  # in allocator/: the rollout budget settings of training
 LATENT_EPS = 1e-4  # sampled Beta actions are kept inside [eps, 1 - eps] so log-densities stay finite
 
 
@@ -61,6 +72,12 @@ def gini(x: np.ndarray) -> float:
     return float(np.abs(x[:, None] - x[None, :]).sum() / (2 * len(x) ** 2 * x.mean()))
 
 
+def prompt_seed(seed: int, step: int, index: int) -> int:
+    """The seed of prompt `index` of step `step`'s global batch: independent of the process that
+    handles it, so 1 and W processes draw the same allocations and answers."""
+    return int(np.random.SeedSequence([seed, step, index]).generate_state(1)[0])
+
+
 def latest_checkpoint(output_dir: str | Path) -> Path | None:
     done = sorted(p.parent for p in Path(output_dir, CHECKPOINTS).glob(f"step-*/{COMPLETE}"))
     return done[-1] if done else None
@@ -73,8 +90,19 @@ class AllocatorTrainer:
         from accelerate import Accelerator
 
         self.config, self.capo, self.engine, self.samples = config, capo, engine, samples
-        torch.manual_seed(config.seed)  # the sampled allocations (a resume restores the saved RNG state)
-        self.accelerator = Accelerator(cpu=not torch.cuda.is_available())
+        # The Allocator's device decides (under `accelerate launch` on GPUs: this process's GPU).
+        self.accelerator = Accelerator(cpu=next(allocator.parameters()).device.type == "cpu")
+        processes = self.accelerator.num_processes
+        if config.batch_size % processes:
+            raise ValueError(
+                f"train.batch_size {config.batch_size} is not divisible by the {processes} processes; "
+                "choose a batch_size that is a multiple of --num_processes (every process takes an equal share)"
+            )
+        if config.train_backbone and processes > 1:
+            raise ValueError(
+                f"train_backbone runs in one process only (got {processes} processes): the backbone is not "
+                "wrapped for data parallel training"
+            )
         self.allocator = allocator
         params = [p for p in allocator.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(params, lr=config.lr, weight_decay=config.weight_decay)
@@ -91,22 +119,25 @@ class AllocatorTrainer:
         self.output_dir = Path(config.output_dir)
 
     # ------------------------------------------------------------------ data order
-    def batch_for_step(self, step: int) -> list:
-        """The prompts of `step` for this process: position k of the stream is item k % n of
-        a seeded shuffle for pass k // n over the n samples (so a resumed run sees the same order)."""
+    def batch_for_step(self, step: int) -> list[tuple[int, object]]:
+        """This process's (index in the global batch, prompt) pairs of `step`: position k of the
+        stream is item k % n of a seeded shuffle for pass k // n over the n samples (so a resumed
+        run sees the same order); global index j goes to process j % num_processes."""
         n = len(self.samples)
         positions = range(step * self.config.batch_size, (step + 1) * self.config.batch_size)
         batch = [
             self.samples[np.random.default_rng(self.config.seed + k // n).permutation(n)[k % n]] for k in positions
         ]
-        return batch[self.accelerator.process_index :: self.accelerator.num_processes]
+        return list(enumerate(batch))[self.accelerator.process_index :: self.accelerator.num_processes]
 
     # ------------------------------------------------------------------ one step
     def train_step(self) -> dict:
         cfg, capo = self.config, self.capo
         s_min, s_max = self.allocator.config.s_min, self.allocator.config.s_max
         collected = []
-        for sample in self.batch_for_step(self.step):
+        for index, sample in self.batch_for_step(self.step):
+            seed = prompt_seed(cfg.seed, self.step, index)
+            torch.manual_seed(seed)  # the allocations below and the backbone's sampled answers (HF generate)
             prompt = self.engine.prompt(sample)
             feats = self.allocator.encode([torch.from_numpy(np.ascontiguousarray(prompt.frames))], [prompt.query])
             with torch.no_grad():
@@ -119,15 +150,24 @@ class AllocatorTrainer:
                 scales.double().cpu().numpy(),
                 cfg.rollouts_per_allocation,
                 keep_backbone_inputs=cfg.train_backbone,
+                seed=seed,
             )
             cost = proxy_cost(scales, s_min, s_max)
             advantage = rollout_advantage(rollouts.task_reward.float(), cost, rollouts.correct.float(), capo)
             collected.append(
-                dict(feats=feats, a=a, logp_old=logp_old, scales=scales, advantage=advantage, rollouts=rollouts)
+                dict(
+                    index=index,
+                    feats=feats,
+                    a=a,
+                    logp_old=logp_old,
+                    scales=scales,
+                    advantage=advantage,
+                    rollouts=rollouts,
+                )
             )
 
         for _ in range(cfg.ppo_epochs):
-            losses = {"policy": 0.0, "sim": 0.0, "con": 0.0}
+            losses = []  # per prompt (policy, sim, con), of the last epoch
             total = 0.0
             for item in collected:
                 p1, p2 = self.model(**item["feats"])
@@ -150,18 +190,20 @@ class AllocatorTrainer:
                     if self.allocator.config.policy == "beta"
                     else torch.zeros(())
                 )
+                # The mean over this process's share; DDP averages the equal shares' gradients.
                 total = total + (policy + capo.lambda_sim * sim + capo.lambda_con * con) / len(collected)
-                for name, value in (("policy", policy), ("sim", sim), ("con", con)):
-                    losses[name] += value.item() / len(collected)
+                losses.append([policy.item(), sim.item(), con.item()])
             self.optimizer.zero_grad()
             self.accelerator.backward(total)
             self.accelerator.clip_grad_norm_(self.model.parameters(), cfg.grad_clip)
             self.optimizer.step()
 
-        if cfg.train_backbone:
-            losses["backbone"] = self.backbone_step(collected)
+        backbone_loss = self.backbone_step(collected) if cfg.train_backbone else None
         self.step += 1
-        return self.metrics(collected, losses)
+        metrics = self.metrics(collected, losses)
+        if backbone_loss is not None:
+            metrics["loss_backbone"] = backbone_loss
+        return metrics
 
     def backbone_step(self, collected: list) -> float:
         """Token-level PPO (Eq. loss_phi) on this step's rollouts, advantages weighted by the
@@ -202,23 +244,55 @@ class AllocatorTrainer:
         self.backbone_optimizer.step()
         return loss.item()
 
-    def metrics(self, collected: list, losses: dict) -> dict:
+    def metrics(self, collected: list, losses: list) -> dict:
+        """Step metrics over the whole global batch: one row of per-prompt statistics per prompt,
+        gathered from every process and put back in global-batch order, so 1 and W processes
+        reduce the same numbers in the same order."""
+        rows = []
         with torch.no_grad():
-            policy_means = [
-                self.allocator.to_scale(self.allocator.latent_actions(*self.model(**c["feats"])))[0].cpu().numpy()
-                for c in collected
-            ]
-        sampled = torch.cat([c["scales"] for c in collected]).cpu().numpy()
+            for c, loss in zip(collected, losses):
+                mean = self.allocator.to_scale(self.allocator.latent_actions(*self.model(**c["feats"])))[0]
+                mean = mean.cpu().numpy()
+                r = c["rollouts"]
+                rows.append(
+                    [
+                        c["index"],
+                        mean.mean(),
+                        mean.std(),
+                        gini(mean),
+                        float(c["scales"].double().sum()),
+                        c["scales"].numel(),
+                        float(r.retention.double().sum()),
+                        r.retention.numel(),
+                        float(r.task_reward.double().sum()),
+                        r.task_reward.numel(),
+                        float(r.correct.double().sum()),
+                        r.correct.numel(),
+                        *loss,
+                    ]
+                )
+        local = torch.tensor(rows, dtype=torch.float64, device=self.accelerator.device)
+        table = self.accelerator.gather(local).cpu().numpy()
+        table = table[np.argsort(table[:, 0], kind="stable")]
+        column = dict(
+            zip(
+                (
+                    "index mean std gini scale_sum scale_n retention_sum retention_n reward_sum reward_n "
+                    "correct_sum correct_n loss_policy loss_sim loss_con"
+                ).split(),
+                table.T,
+            )
+        )
         return dict(
             step=self.step,
-            mean_scale=float(np.mean([m.mean() for m in policy_means])),
-            scale_std=float(np.mean([m.std() for m in policy_means])),
-            gini=float(np.mean([gini(m) for m in policy_means])),
-            sampled_mean_scale=float(sampled.mean()),
-            achieved_retention=float(torch.cat([c["rollouts"].retention for c in collected]).mean()),
-            reward=float(torch.cat([c["rollouts"].task_reward.flatten() for c in collected]).float().mean()),
-            accuracy=float(torch.cat([c["rollouts"].correct.flatten() for c in collected]).float().mean()),
-            **{f"loss_{k}": v for k, v in losses.items()},
+            mean_scale=float(np.mean(column["mean"])),
+            scale_std=float(np.mean(column["std"])),
+            gini=float(np.mean(column["gini"])),
+            sampled_mean_scale=float(column["scale_sum"].sum() / column["scale_n"].sum()),
+            achieved_retention=float(column["retention_sum"].sum() / column["retention_n"].sum()),
+            reward=float(column["reward_sum"].sum() / column["reward_n"].sum()),
+            accuracy=float(column["correct_sum"].sum() / column["correct_n"].sum()),
+            **{k: float(np.mean(column[k])) for k in ("loss_policy", "loss_sim", "loss_con")},
         )
 
     # ------------------------------------------------------------------ checkpoints
@@ -228,14 +302,11 @@ class AllocatorTrainer:
             if folder.exists():
                 shutil.rmtree(folder)
             self.accelerator.unwrap_model(self.model).save_pretrained(folder / "allocator")
-            state = dict(
-                step=self.step,
-                optimizer=self.optimizer.state_dict(),
-                torch_rng=torch.get_rng_state(),
-                numpy_rng=np.random.get_state(),
-                python_rng=random.getstate(),
-                config=asdict(self.config),
-            )
+            budget = self.engine.budget_settings()
+            if budget is not None:  # the budget the Allocator was trained under, keyed as model_args
+                (folder / "allocator" / BUDGET_NAME).write_text(json.dumps(budget, indent=2) + "\n")
+            # No RNG state: every prompt's randomness is re-derived from (seed, step, index).
+            state = dict(step=self.step, optimizer=self.optimizer.state_dict(), config=asdict(self.config))
             if self.config.train_backbone:
                 self.backbone.model.save_pretrained(folder / "backbone")
                 self.backbone.processor.save_pretrained(folder / "backbone")
@@ -246,7 +317,8 @@ class AllocatorTrainer:
         return folder
 
     def resume(self, folder: Path) -> None:
-        state = torch.load(folder / "trainer.pt", weights_only=False)
+        """Every process loads the same checkpoint (save() returns only once it is complete)."""
+        state = torch.load(folder / "trainer.pt", map_location="cpu", weights_only=False)
         loaded = Allocator.from_pretrained(folder / "allocator", encoders=self.allocator.encoders)
         self.accelerator.unwrap_model(self.model).load_state_dict(loaded.state_dict())
         self.optimizer.load_state_dict(state["optimizer"])
@@ -255,9 +327,6 @@ class AllocatorTrainer:
                 type(self.backbone.model).from_pretrained(folder / "backbone").state_dict()
             )
             self.backbone_optimizer.load_state_dict(state["backbone_optimizer"])
-        torch.set_rng_state(state["torch_rng"])
-        np.random.set_state(state["numpy_rng"])
-        random.setstate(state["python_rng"])
         self.step = state["step"]
 
     def train(self, resume: bool = False, progress: bool = True) -> list[dict]:
@@ -278,11 +347,12 @@ class AllocatorTrainer:
             disable=not (progress and self.accelerator.is_main_process),
             desc="allocator",
         )
-        with open(self.output_dir / "metrics.jsonl", "a", encoding="utf-8") as log:
+        main = self.accelerator.is_main_process
+        with open(self.output_dir / "metrics.jsonl", "a", encoding="utf-8") if main else nullcontext() as log:
             while self.step < self.config.steps:
-                metrics = self.train_step()
+                metrics = self.train_step()  # the same on every process (gathered)
                 history.append(metrics)
-                if self.accelerator.is_main_process:
+                if main:
                     log.write(json.dumps(metrics) + "\n")
                     log.flush()
                 bar.update(1)
