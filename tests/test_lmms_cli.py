@@ -217,8 +217,8 @@ def test_token_compressors_run_through_the_cli_at_exact_budgets(fixtures_dir, tm
     assert len(records) == 8
     for r in records:
         assert r["error"] is None and r["method"] == method
-        assert abs(r["achieved_retention"] - 0.1) <= 0.01
-        assert r["visual_tokens"] == len(r["merged_sizes"]) == max(len(r["grids"]), round(0.1 * r["reference_tokens"]))
+        assert 0.09 <= r["achieved_retention"] <= 0.1
+        assert r["visual_tokens"] == len(r["merged_sizes"]) == r["reference_tokens"] // 10  # the most within R=0.1
 
 
 def test_frame_selection_runs_through_the_cli_with_the_frame_budget(fixtures_dir, tmp_path):

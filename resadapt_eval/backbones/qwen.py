@@ -152,7 +152,7 @@ class QwenVideoAdapter:
         pairs: list[torch.Tensor] | None = None,
     ) -> tuple[dict, torch.Tensor]:
         """Inputs for `plan` with its merged visual tokens compressed by `compress` to
-        round(retention * N) tokens; kept tokens keep their full-sequence M-RoPE positions and text
+        floor(retention * N) tokens; kept tokens keep their full-sequence M-RoPE positions and text
         after the video keeps its positions. Returns (inputs for `generate`, group sizes (K,))."""
         from ..baselines import VisualTokens, kept_count, merge_groups
 

@@ -9,6 +9,7 @@ M-RoPE position. A dropped token has assignment -1.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -39,8 +40,9 @@ class VisualTokens:
 
 
 def kept_count(retention: float, num_tokens: int, num_pairs: int) -> int:
-    """Tokens to keep: round(R * N), at most N. Every compressor keeps at least one token per frame
-    pair, so R below num_pairs / N raises `InfeasibleBudget`."""
+    """Tokens to keep: floor(R * N), at most N, so the achieved R never exceeds the target (as
+    fixed_scale and resadapt plan the largest R not above it). Every compressor keeps at least one
+    token per frame pair, so R below num_pairs / N raises `InfeasibleBudget`."""
     if not 0 < retention:
         raise ValueError(f"retention must be positive, got {retention}")
     floor = num_pairs / num_tokens
@@ -48,7 +50,7 @@ def kept_count(retention: float, num_tokens: int, num_pairs: int) -> int:
         raise InfeasibleBudget(
             retention, floor, f"token compression, one token per frame pair ({num_pairs} of {num_tokens} tokens)"
         )
-    return min(num_tokens, round(retention * num_tokens))
+    return min(num_tokens, math.floor(retention * num_tokens + 1e-9))  # 1e-9: R = k / N exactly keeps k
 
 
 def check_keep(pair_sizes: list[int], keep: int) -> None:

@@ -12,7 +12,7 @@
 
 Budgets: the published method also prunes inside the LLM (FastV-style) and quotes a
 layer-averaged retention, so about 1.25 R tokens enter the LLM there. This port has no in-LLM
-pruning: exactly round(R * N) tokens enter the LLM, and that is the R recorded.
+pruning: exactly floor(R * N) tokens enter the LLM, and that is the R recorded.
 """
 
 from __future__ import annotations

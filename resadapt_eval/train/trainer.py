@@ -19,6 +19,7 @@ every process (no RNG state is needed: it is re-derived from the step).
 from __future__ import annotations
 
 import json
+import math
 import shutil
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass
@@ -28,7 +29,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from ..allocator import Allocator
+from ..allocator import BUDGET_FILE, Allocator
 from ..capo.losses import (
     CAPOConfig,
     allocation_advantage,
@@ -39,10 +40,10 @@ from ..capo.losses import (
     rollout_advantage,
     similarity_loss,
 )
+from ..manifest import write_json
 
 CHECKPOINTS = "checkpoints"
 COMPLETE = "complete"  # written last in a checkpoint folder
-BUDGET_NAME = "budget.json"  # in allocator/: the rollout budget settings of training
 LATENT_EPS = 1e-4  # sampled Beta actions are kept inside [eps, 1 - eps] so log-densities stay finite
 
 
@@ -304,7 +305,7 @@ class AllocatorTrainer:
             self.accelerator.unwrap_model(self.model).save_pretrained(folder / "allocator")
             budget = self.engine.budget_settings()
             if budget is not None:  # the budget the Allocator was trained under, keyed as model_args
-                (folder / "allocator" / BUDGET_NAME).write_text(json.dumps(budget, indent=2) + "\n")
+                write_json(folder / "allocator" / BUDGET_FILE, budget)
             # No RNG state: every prompt's randomness is re-derived from (seed, step, index).
             state = dict(step=self.step, optimizer=self.optimizer.state_dict(), config=asdict(self.config))
             if self.config.train_backbone:
@@ -351,9 +352,15 @@ class AllocatorTrainer:
         with open(self.output_dir / "metrics.jsonl", "a", encoding="utf-8") if main else nullcontext() as log:
             while self.step < self.config.steps:
                 metrics = self.train_step()  # the same on every process (gathered)
+                diverged = sorted(k for k, v in metrics.items() if isinstance(v, float) and not math.isfinite(v))
+                if diverged:
+                    raise RuntimeError(
+                        f"step {self.step}: {', '.join(diverged)} not finite, training diverged "
+                        f"(last checkpoint: {latest_checkpoint(self.output_dir)})"
+                    )
                 history.append(metrics)
                 if main:
-                    log.write(json.dumps(metrics) + "\n")
+                    log.write(json.dumps(metrics, allow_nan=False) + "\n")
                     log.flush()
                 bar.update(1)
                 bar.set_postfix(
