@@ -82,7 +82,7 @@ class VideoPipelineConfig:
 @dataclass(frozen=True)
 class Request:
     """One sample: chat text holding one `<|video_pad|>` (a video file) or one `<|image_pad|>` per
-    image (PIL or uint8 (H, W, 3)); query: the user's text, for the Allocator; gen_kwargs: the
+    image (PIL, uint8 (H, W, 3) or an image file path); query: the user's text, for the Allocator; gen_kwargs: the
     backbone's `generate` arguments."""
 
     prompt: str
