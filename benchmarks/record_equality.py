@@ -390,7 +390,11 @@ def cmd_capture(args) -> int:
 
             raw = yaml.safe_load(card.read_text())
             model_args = dict(
-                pretrained=raw["pretrained"], method="resadapt", max_num_frames=raw["frames"][0], **raw["model_args"]
+                pretrained=raw["pretrained"],
+                method="resadapt",
+                allocator=raw["allocator"],
+                max_num_frames=raw["frames"][0],
+                **raw["model_args"],
             )
             direct = lmms_cell(
                 out / "chartqa-qwen25vl" / f"resadapt-f{raw['frames'][0]}",

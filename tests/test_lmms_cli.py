@@ -225,6 +225,7 @@ def test_frame_selection_runs_through_the_cli_with_the_frame_budget(fixtures_dir
     model_args = dict(
         pretrained=fixtures_dir / "qwen25vl",
         method="resadapt",
+        allocator="untrained",
         operator="select_resize",
         candidates=32,
         top_k=8,
