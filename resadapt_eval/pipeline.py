@@ -10,11 +10,13 @@ from the method registry (`methods.py`), never from its name.
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass, field
 from typing import Callable
 
 import numpy as np
+import torch
 
 from .backbones.layout import Backbone
 from .budget.plan import ResizePlan
@@ -29,7 +31,9 @@ from .video import DecodedVideo, decode_video, read_image
 @dataclass
 class VideoPipelineConfig:
     """Per-run settings. min_pixels/max_pixels bound one frame's base (vanilla) area in pixels;
-    strict: raise a failed sample's exception instead of recording it."""
+    strict: raise a failed sample's exception instead of recording it; num_threads: torch's
+    intra-op threads for this process (None: torch's default for one process, the machine's CPUs
+    divided among the processes when several run, see `apply_num_threads`)."""
 
     method: str = "vanilla"
     max_num_frames: int = 32
@@ -46,6 +50,7 @@ class VideoPipelineConfig:
     top_k: int | None = 32
     score_threshold: float | None = None
     strict: bool = False
+    num_threads: int | None = None
 
     def __post_init__(self):
         method = get_method(self.method)
@@ -69,7 +74,12 @@ class VideoPipelineConfig:
             raise ValueError(f"method={self.method} needs a target retention (model_args retention=...)")
         if method.retention == NO_RETENTION and self.budget.retention is not None:
             raise ValueError(f"method={self.method} has no retention target; drop retention={self.budget.retention}")
-        at_least_one = dict(max_num_frames=self.max_num_frames, candidates=self.candidates, top_k=self.top_k)
+        at_least_one = dict(
+            max_num_frames=self.max_num_frames,
+            candidates=self.candidates,
+            top_k=self.top_k,
+            num_threads=self.num_threads,
+        )
         for name, value in at_least_one.items():
             if value is not None and value < 1:
                 raise ValueError(f"{name} must be at least 1, got {value}")
@@ -77,6 +87,18 @@ class VideoPipelineConfig:
             raise ValueError(f"allocator_quantile must be in (0, 1), got {self.allocator_quantile}")
         if self.min_pixels is not None and self.max_pixels is not None and self.min_pixels > self.max_pixels:
             raise ValueError(f"min_pixels={self.min_pixels} exceeds max_pixels={self.max_pixels}")
+
+    def apply_num_threads(self, processes: int) -> int:
+        """Set torch's intra-op threads for this process and return them: `num_threads` if given;
+        else, with `processes` > 1 data-parallel processes (assumed on one machine), the CPUs this
+        process may use divided among them (at least 1), since each process taking all of them
+        oversubscribes the cores; else torch's default, unchanged."""
+        threads = self.num_threads
+        if threads is None and processes > 1:
+            threads = max(1, len(os.sched_getaffinity(0)) // processes)
+        if threads is not None:
+            torch.set_num_threads(threads)
+        return torch.get_num_threads()
 
 
 @dataclass(frozen=True)
@@ -192,7 +214,7 @@ class VideoPipeline:
         answers = []
         for i, request in enumerate(requests):
             stages = (decoded.get(i), scores.get(i), planned.get(i), built.get(i), generated.get(i))
-            record = build_record(request, self.config, self.layout.grid, *stages, failed.get(i))
+            record = build_record(request, self.config, self.layout, *stages, failed.get(i))
             answers.append(("" if record.error else generated[i].text, record))
         return answers
 

@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import json
 import time
+import warnings
 from pathlib import Path
 
 import numpy as np
 import torch
 import yaml
 
+from .encoders import FRAME_CHUNK
 from .model import INFERENCE_MODES, Allocator, AllocatorConfig, CheckpointError
 
 UNTRAINED = "untrained"
@@ -77,12 +79,23 @@ def known_allocators() -> list[str]:
 
 class AllocatorPolicy:
     """The Allocator as the `method=resadapt` scale source: raw per-frame scales s_t for decoded
-    frames and a query (projection onto a retention is the pipeline's planning stage)."""
+    frames and a query (projection onto a retention is the pipeline's planning stage).
+    frame_chunk: frames per visual encode call (features do not depend on it)."""
 
-    def __init__(self, allocator: Allocator, mode: str = "mean", quantile: float = 0.5, seed: int = 0):
+    def __init__(
+        self,
+        allocator: Allocator,
+        mode: str = "mean",
+        quantile: float = 0.5,
+        seed: int = 0,
+        frame_chunk: int = FRAME_CHUNK,
+    ):
         if mode not in INFERENCE_MODES:
             raise ValueError(f"allocator inference must be one of {INFERENCE_MODES}, got {mode!r}")
+        if frame_chunk < 1:
+            raise ValueError(f"frame_chunk must be at least 1, got {frame_chunk}")
         self.allocator, self.mode, self.quantile, self.seed = allocator, mode, quantile, seed
+        self.frame_chunk = frame_chunk
 
     def raw_scales(self, frames: np.ndarray, query: str) -> tuple[np.ndarray, dict]:
         """The Allocator's scales s_t (T,) for uint8 frames (T, H, W, 3) and a query, and the
@@ -109,7 +122,10 @@ class AllocatorPolicy:
             by_shape.setdefault(segments[key[0]][key[1]].shape[1:], []).append(key)
         for group in by_shape.values():
             parts = [segments[i][j] for i, j in group]
-            features = enc.encode_frames(torch.from_numpy(np.ascontiguousarray(np.concatenate(parts))))
+            joined = np.ascontiguousarray(parts[0] if len(parts) == 1 else np.concatenate(parts))  # a video: no copy
+            with warnings.catch_warnings():  # decoded frames may be read-only; the encoders only read them
+                warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+                features = enc.encode_frames(torch.from_numpy(joined), self.frame_chunk)
             for key, chunk in zip(group, features.split([len(p) for p in parts])):
                 encoded[key] = chunk
         per_sequence = [torch.cat([encoded[(i, j)] for j in range(len(parts))]) for i, parts in enumerate(segments)]

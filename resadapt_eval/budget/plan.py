@@ -8,6 +8,7 @@ one LLM token per token-edge x token-edge square of a pair.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field
 from typing import Sequence
@@ -290,6 +291,37 @@ def fixed_scale_for_retention(
         floor,
         f"fixed_scale (one scale in [{s_min:g}, {s_max:g}], {base_hw[0]}x{base_hw[1]} px base, {px} px tokens)",
     )
+
+
+@functools.lru_cache(maxsize=4096)
+def fixed_scale_cache(
+    target: float,
+    num_frames: int,
+    base_hw: tuple[int, int],
+    grid: TokenGrid,
+    s_min: float,
+    s_max: float,
+    bounds: tuple[tuple[str, object], ...],
+) -> float:
+    """`fixed_scale_for_retention` memoised on hashable arguments (`bounds` as sorted (name, value)
+    pairs); call it through `cached_fixed_scale_for_retention`."""
+    return fixed_scale_for_retention(target, num_frames, base_hw, grid, s_min, s_max, **dict(bounds))
+
+
+def cached_fixed_scale_for_retention(
+    target: float,
+    num_frames: int,
+    base_hw: tuple[int, int],
+    grid: TokenGrid,
+    s_min: float,
+    s_max: float,
+    **bounds,
+) -> float:
+    """`fixed_scale_for_retention`, searched once per (target, frames, base size, grid, scale range,
+    bounds) in a process: the search depends on nothing else, and every request of a run repeats it."""
+    base = (int(base_hw[0]), int(base_hw[1]))
+    args = (float(target), int(num_frames), base, grid, float(s_min), float(s_max))
+    return fixed_scale_cache(*args, tuple(sorted(bounds.items())))
 
 
 def project_to_retention(

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .plan import PAIR_REDUCTIONS, TokenGrid, fixed_scale_for_retention
+from .plan import PAIR_REDUCTIONS, TokenGrid, cached_fixed_scale_for_retention
 
 
 @dataclass(frozen=True)
@@ -62,10 +62,13 @@ def vanilla(num_frames: int, base_hw: tuple[int, int], grid: TokenGrid, spec: Bu
 def fixed_scale(
     num_frames: int, base_hw: tuple[int, int], grid: TokenGrid, spec: BudgetSpec, context=None
 ) -> np.ndarray:
-    """One scale for all frames: the largest in [s_min, s_max] whose plan keeps R <= retention."""
+    """One scale for all frames: the largest in [s_min, s_max] whose plan keeps R <= retention
+    (searched once per frame count, base size and budget, then cached)."""
     if spec.retention is None:
         raise ValueError("fixed_scale needs a target retention (model_args retention=...)")
-    s = fixed_scale_for_retention(spec.retention, num_frames, base_hw, grid, spec.s_min, spec.s_max, **spec.plan_bounds)
+    s = cached_fixed_scale_for_retention(
+        spec.retention, num_frames, base_hw, grid, spec.s_min, spec.s_max, **spec.plan_bounds
+    )
     return np.full(num_frames, s)
 
 

@@ -86,6 +86,7 @@ class ResAdaptQwen(lmms):
         _check_loading(device, dtype)
         self.accelerator = Accelerator()  # lmms-eval's: data parallel when launched by `accelerate launch`
         self._rank, self._world_size = self.accelerator.process_index, self.accelerator.num_processes
+        config.apply_num_threads(self._world_size)
         if device == "cuda" and self._world_size > 1:
             device = f"cuda:{self.accelerator.local_process_index}"  # one GPU per process
         self.method, self.strict = config.method, config.strict
@@ -185,7 +186,7 @@ class ResAdaptQwen(lmms):
             else:
                 _, _, _, doc_id, task, _ = instance.args
                 failed = Request("", doc_id=doc_id, task=task)
-                record = build_record(failed, self.pipeline.config, self.pipeline.layout.grid, *[None] * 5, request)
+                record = build_record(failed, self.pipeline.config, self.pipeline.layout, *[None] * 5, request)
                 text = ""
             if record.error is not None:
                 logger.warning(
@@ -251,6 +252,7 @@ class ResAdaptQwen(lmms):
                 "resadapt_failed_samples": summary["failed_samples"],
                 "resadapt_visual_tokens": summary["visual_tokens"],
                 "resadapt_reference_tokens": summary["reference_tokens"],
+                "resadapt_tflops": summary["total_tflops"],
                 **retention,
             },
         )
