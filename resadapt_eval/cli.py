@@ -1,4 +1,4 @@
-"""`resadapt-eval` command line: fixtures | demo | sweep | tables | plots | train |
+"""`resadapt-eval` command line: fixtures | demo | sweep | tables | plots | train | flops |
 needle (make-data | train-backbone | train-allocator | report)."""
 
 from __future__ import annotations
@@ -183,6 +183,52 @@ def cmd_needle_report(args) -> int:
     return 0
 
 
+def cmd_flops(args) -> int:
+    """The latency table's TFLOPs per (method, frames) from configs alone: linear layers of the
+    prefill (the paper's counting), then attention scores, the method's own work and decode beside."""
+    from .compute.flops import TERA, load_dims, row_flops
+    from .methods import NO_RETENTION, get_method
+
+    dims = load_dims(args.backbone)
+    width, height = (int(v) for v in args.size.lower().split("x"))
+    print(
+        f"{args.backbone}: {args.size} source, {args.text_tokens} text tokens, {args.output_tokens} output tokens, "
+        f"R={args.retention}; TFLOPs (10^12, 2 per multiply-add); linear = vision + LLM prefill linear layers"
+    )
+    header = (
+        "method",
+        "frames",
+        "visual_tokens",
+        "linear",
+        "x_vanilla",
+        "attention",
+        "method_extra",
+        "decode",
+        "total",
+    )
+    print("".join(f"{h:>14}" for h in header))
+    for frames in (int(f) for f in args.frames.split(",")):
+        vanilla, _ = row_flops(dims, "vanilla", frames, (height, width), None, args.text_tokens, args.output_tokens)
+        for name in args.methods.split(","):
+            retention = None if get_method(name).retention == NO_RETENTION else args.retention
+            flops, visual = row_flops(
+                dims, name, frames, (height, width), retention, args.text_tokens, args.output_tokens
+            )
+            cells = (
+                name,
+                frames,
+                visual,
+                f"{flops.linear / TERA:.1f}",
+                f"{flops.linear / vanilla.linear:.3f}",
+                f"{flops.attention / TERA:.1f}",
+                f"{flops.method / TERA:.3f}",
+                f"{flops.decode / TERA:.2f}",
+                f"{flops.total / TERA:.1f}",
+            )
+            print("".join(f"{c:>14}" for c in cells))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="resadapt-eval", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -294,6 +340,16 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--steps", type=int, default=None, help="override train.steps")
     p.set_defaults(func=cmd_needle_train_allocator)
+    p = sub.add_parser("flops", help="TFLOPs per sample from a backbone's config alone (the latency table's rows)")
+    p.add_argument("--backbone", default="qwen25vl-7b", help="qwen25vl-7b, qwen3vl-8b, or a pretrained folder")
+    p.add_argument("--frames", default="16,32,64,128")
+    p.add_argument("--size", default="896x672", help="source WIDTHxHEIGHT in pixels")
+    p.add_argument("--methods", default="vanilla", help="comma-separated methods planned without the Allocator")
+    p.add_argument("--retention", type=float, default=0.25, help="R of every method that takes one")
+    p.add_argument("--text-tokens", type=int, default=24, help="prompt tokens besides the visual ones")
+    p.add_argument("--output-tokens", type=int, default=0, help="generated tokens (decode), 0: prefill only")
+    p.set_defaults(func=cmd_flops)
+
     p = needle.add_parser(
         "report",
         help="accuracy with standard errors and the evidence-pair fraction per cell of a needle sweep, "

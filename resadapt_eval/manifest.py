@@ -63,6 +63,7 @@ def sample_totals(records: list) -> dict:
         retention_sum=sum(r.achieved_retention for r in done),
         generate_s=sum(r.generate_s for r in done),
         output_tokens=sum(r.output_tokens for r in done),
+        total_flops=sum(r.total_flops for r in done),
         first_errors=[dict(task=r.task, doc_id=r.doc_id, error=r.error) for r in records if r.error][:FIRST_ERRORS],
     )
 
@@ -75,8 +76,8 @@ def merge_totals(parts: list[dict]) -> dict:
 
 
 def run_summary(totals: dict) -> dict:
-    """The run's outcome: counts, tokens, and retention over successful samples (None when every
-    sample failed: no retention was achieved)."""
+    """The run's outcome: counts, tokens, retention (None when every sample failed: no retention
+    was achieved) and total_tflops (10^12 FLOPs, `SampleRecord.total_flops`) over successful samples."""
     done = totals["samples"] - totals["failed"]
     return dict(
         samples=totals["samples"],
@@ -85,6 +86,7 @@ def run_summary(totals: dict) -> dict:
         reference_tokens=totals["reference_tokens"],
         mean_retention=totals["retention_sum"] / done if done else None,
         pooled_retention=totals["visual_tokens"] / totals["reference_tokens"] if totals["reference_tokens"] else None,
+        total_tflops=totals["total_flops"] / 1e12,
         first_errors=totals["first_errors"],
     )
 

@@ -5,8 +5,11 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING
 
+from .compute.flops import dims_from_config, sample_flops
+from .methods import get_method
+
 if TYPE_CHECKING:
-    from .budget.plan import TokenGrid
+    from .backbones.layout import QwenLayout
     from .pipeline import Built, Decoded, Generated, Planned, Request, Scores, VideoPipelineConfig
 
 
@@ -27,6 +30,11 @@ class SampleRecord:
     scale_apply_s (resizing frames to the plan), preprocess_s (planning and building the model
     inputs, resize included), generate_s. error: `ExceptionType: message` of a failed sample.
     allocator: the Allocator checkpoint of method=resadapt (`untrained` when run on purpose without one).
+    FLOPs of a successful sample (0 for a failed one; counted by `compute.flops`, 2 per multiply-add
+    of every matmul and convolution): vision_flops / vision_attention_flops (vision tower: linear
+    layers / attention scores), llm_prefill_flops / llm_attention_flops (LLM over the prompt: linear
+    layers with lm_head on the last token / attention scores), decode_flops (all decode steps),
+    method_flops (a compressor's own work), total_flops (their sum). The Allocator is not counted.
     """
 
     doc_id: int | None
@@ -57,6 +65,13 @@ class SampleRecord:
     scale_apply_s: float = 0.0
     preprocess_s: float = 0.0
     generate_s: float = 0.0
+    vision_flops: int = 0
+    vision_attention_flops: int = 0
+    llm_prefill_flops: int = 0
+    llm_attention_flops: int = 0
+    decode_flops: int = 0
+    method_flops: int = 0
+    total_flops: int = 0
     error: str | None = None
 
     def to_dict(self) -> dict:
@@ -71,7 +86,7 @@ def error_text(exc: BaseException) -> str:
 def build_record(
     request: Request,
     config: VideoPipelineConfig,
-    grid: TokenGrid,
+    layout: QwenLayout,
     decoded: Decoded | None,
     scores: Scores | None,
     planned: Planned | None,
@@ -116,8 +131,23 @@ def build_record(
         record.visual_tokens = generated.visual_tokens
         record.achieved_retention = record.visual_tokens / record.reference_tokens
         # full-resolution frames: a video frame is half a pair at the base size, an image a whole one
-        frame_tokens = [grid.tokens(*p.base_hw) / (1 if decoded.images else grid.temporal_patch) for p in planned.plans]
+        frame_tokens = [
+            layout.grid.tokens(*p.base_hw) / (1 if decoded.images else layout.grid.temporal_patch)
+            for p in planned.plans
+        ]
         record.frame_budget = record.visual_tokens / sum(frame_tokens) * len(frame_tokens)
         record.input_tokens, record.output_tokens = len(generated.prompt_ids), generated.output_tokens
         record.generate_s = generated.seconds
+        grids = [g for p in planned.plans for g in p.grids]
+        flops = sample_flops(
+            dims_from_config(layout.config),
+            get_method(config.method),
+            grids,
+            config.budget.retention,
+            record.input_tokens,
+            record.output_tokens,
+        )
+        record.vision_flops, record.vision_attention_flops = flops.vision, flops.vision_attention
+        record.llm_prefill_flops, record.llm_attention_flops = flops.llm_prefill, flops.llm_attention
+        record.decode_flops, record.method_flops, record.total_flops = flops.decode, flops.method, flops.total
     return record

@@ -1,0 +1,59 @@
+"""The published backbones' configs (the fields FLOPs read), in their Hugging Face config.json layout.
+
+Transcribed from Qwen/Qwen2.5-VL-7B-Instruct and Qwen/Qwen3-VL-8B-Instruct; a `pretrained`
+folder's own config.json is read the same way (`flops.load_dims`).
+"""
+
+from __future__ import annotations
+
+QWEN25VL_7B = dict(
+    model_type="qwen2_5_vl",
+    text_config=dict(
+        hidden_size=3584,
+        num_hidden_layers=28,
+        intermediate_size=18944,
+        num_attention_heads=28,
+        num_key_value_heads=4,
+        vocab_size=152064,
+    ),
+    vision_config=dict(
+        depth=32,
+        hidden_size=1280,
+        intermediate_size=3420,
+        num_heads=16,
+        in_channels=3,
+        patch_size=14,
+        spatial_merge_size=2,
+        temporal_patch_size=2,
+        window_size=112,
+        fullatt_block_indexes=[7, 15, 23, 31],
+        out_hidden_size=3584,
+    ),
+)
+
+QWEN3VL_8B = dict(
+    model_type="qwen3_vl",
+    text_config=dict(
+        hidden_size=4096,
+        num_hidden_layers=36,
+        intermediate_size=12288,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=128,
+        vocab_size=151936,
+    ),
+    vision_config=dict(
+        depth=27,
+        hidden_size=1152,
+        intermediate_size=4304,
+        num_heads=16,
+        in_channels=3,
+        patch_size=16,
+        spatial_merge_size=2,
+        temporal_patch_size=2,
+        out_hidden_size=4096,
+        deepstack_visual_indexes=[8, 16, 24],
+    ),
+)
+
+KNOWN_CONFIGS = {"qwen25vl-7b": QWEN25VL_7B, "qwen3vl-8b": QWEN3VL_8B}

@@ -1,0 +1,321 @@
+"""FLOPs of one sample, counted from its token grids and the backbone's config (no weights).
+
+Convention (torch.utils.flop_counter's): 2 FLOPs per multiply-add of every matmul and
+convolution that runs; norms, activations, softmax, rotary, embeddings and bias adds are not
+counted. *Linear* terms: the patch-embed Conv3d and every nn.Linear. *Attention* terms: the QK^T
+and AV products over the whole Lq x Lk score matrix, 4 * Lq * Lk * heads * head_dim per layer
+(a causal mask is not exploited, as eager attention and FlopCounterMode count it; a causal
+kernel does about half of the LLM's prefill share).
+
+What runs per sample (Qwen2.5-VL / Qwen3-VL as in transformers):
+- vision tower, per pair grid (t, h, w) in merged tokens, P = t * h * w * m^2 patches (m: spatial
+  merge): Conv3d 2 * P * (C * tp * p^2) * D; per block qkv + proj 2 * P * 4D^2 and MLP
+  2 * P * k * D * I (k = 3 gated (SwiGLU, Qwen2.5-VL), 2 plain (Qwen3-VL)); attention
+  4 * D * sum(L_s^2) over the block's segments: one per temporal patch (h * w * m^2 patches),
+  or for Qwen2.5-VL's windowed blocks one per window of (window / p / m)^2 merge units
+  (partial windows at the right and bottom edges); merger (and each Qwen3-VL deepstack merger)
+  2 * (P / m^2) * m^2 D * (m^2 D + D_out).
+- LLM prefill over the L prompt tokens: per token and layer 2 * (2 H * n_h * d_h + 2 H * n_kv * d_h
+  + 3 H * I), plus lm_head 2 * H * V on the last token only (HF generate's logits_to_keep=1).
+- decode: n generated tokens take n - 1 more forwards (the first comes from prefill); step i
+  (1..n-1) runs one token against L + i keys.
+- a method's own work: the recomputed last-block attention of VisionZip / FlashVid (qkv
+  2 * P * 3 D^2 and QK^T 2 * D * sum(L_s^2)), and the cosine similarities of ToMe and VisionZip
+  (2 * rows * cols * D_out per similarity matrix). FlashVid's similarities depend on the features
+  (its segments and merge trees), so they are not counted.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, fields
+from pathlib import Path
+
+from ..baselines import tome, visionzip
+from ..baselines.common import kept_count, per_pair_budget
+from .configs import KNOWN_CONFIGS
+
+TERA = 1e12
+
+
+@dataclass(frozen=True)
+class VisionDims:
+    """The vision tower: D = hidden, I = intermediate, p = patch, m = merge, tp = temporal patch;
+    window_px: Qwen2.5-VL's attention window in pixels (None: every block attends per temporal
+    patch); full_blocks: blocks that attend per temporal patch anyway; deepstack: extra mergers."""
+
+    depth: int
+    hidden: int
+    intermediate: int
+    in_channels: int
+    patch: int
+    merge: int
+    temporal_patch: int
+    out_hidden: int
+    gated_mlp: bool
+    window_px: int | None
+    full_blocks: tuple[int, ...]
+    deepstack: int
+
+
+@dataclass(frozen=True)
+class TextDims:
+    """The LLM: H = hidden, I = intermediate, n_h / n_kv heads of d_h, V = vocabulary."""
+
+    hidden: int
+    layers: int
+    intermediate: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    vocab: int
+
+
+@dataclass(frozen=True)
+class BackboneDims:
+    model_type: str
+    vision: VisionDims
+    text: TextDims
+
+    @property
+    def token_px(self) -> int:
+        """Side in pixels of the square that becomes one LLM token (p * m)."""
+        return self.vision.patch * self.vision.merge
+
+
+def dims_from_config(config) -> BackboneDims:
+    """The counted dimensions of a Qwen2.5-VL / Qwen3-VL config: a transformers config object or
+    its config.json dict."""
+    config = config if isinstance(config, dict) else config.to_dict()
+    model_type, text, vision = config["model_type"], config["text_config"], config["vision_config"]
+    if model_type not in ("qwen2_5_vl", "qwen3_vl"):
+        raise ValueError(f"FLOPs are counted for qwen2_5_vl and qwen3_vl configs, not {model_type!r}")
+    qwen25 = model_type == "qwen2_5_vl"
+    heads = text["num_attention_heads"]
+    return BackboneDims(
+        model_type,
+        VisionDims(
+            depth=vision["depth"],
+            hidden=vision["hidden_size"],
+            intermediate=vision["intermediate_size"],
+            in_channels=vision.get("in_channels", 3),
+            patch=vision["patch_size"],
+            merge=vision["spatial_merge_size"],
+            temporal_patch=vision["temporal_patch_size"],
+            out_hidden=vision["out_hidden_size"],
+            gated_mlp=qwen25,
+            window_px=vision["window_size"] if qwen25 else None,
+            full_blocks=tuple(vision.get("fullatt_block_indexes", ())),
+            deepstack=len(vision.get("deepstack_visual_indexes", ())),
+        ),
+        TextDims(
+            hidden=text["hidden_size"],
+            layers=text["num_hidden_layers"],
+            intermediate=text["intermediate_size"],
+            heads=heads,
+            kv_heads=text["num_key_value_heads"],
+            head_dim=text.get("head_dim") or text["hidden_size"] // heads,
+            vocab=text["vocab_size"],
+        ),
+    )
+
+
+def load_dims(backbone: str) -> BackboneDims:
+    """A known backbone by name (`KNOWN_CONFIGS`), or a `pretrained` folder / config.json path."""
+    if backbone in KNOWN_CONFIGS:
+        return dims_from_config(KNOWN_CONFIGS[backbone])
+    path = Path(backbone)
+    path = path / "config.json" if path.is_dir() else path
+    if not path.is_file():
+        raise ValueError(f"unknown backbone {backbone!r}: give one of {', '.join(KNOWN_CONFIGS)} or a config folder")
+    return dims_from_config(json.loads(path.read_text()))
+
+
+# ---------------------------------------------------------------------- vision tower
+def segments(v: VisionDims, grid: tuple[int, int, int], windowed: bool) -> list[int]:
+    """Patches per attention segment of one grid (t, h, w) in merged tokens: one per temporal
+    patch, or per window (Qwen2.5-VL's `get_vision_window_index`)."""
+    t, h, w = grid
+    unit = v.merge**2
+    if not windowed:
+        return [h * w * unit] * t
+    n = v.window_px // v.merge // v.patch  # window side in merged tokens
+    rows = [min(n, h - i) for i in range(0, h, n)]
+    cols = [min(n, w - j) for j in range(0, w, n)]
+    return [r * c * unit for r in rows for c in cols] * t
+
+
+def block_segments(v: VisionDims, grid: tuple[int, int, int], block: int) -> list[int]:
+    """The attention segments of vision block `block` over one grid."""
+    return segments(v, grid, v.window_px is not None and block not in v.full_blocks)
+
+
+def vision_flops(v: VisionDims, grids) -> tuple[int, int]:
+    """(linear, attention) FLOPs of the vision tower over merged-token grids (t, h, w)."""
+    linear = attention = 0
+    unit = v.merge**2
+    for grid in grids:
+        t, h, w = grid
+        units = t * h * w
+        patches = units * unit
+        linear += 2 * patches * v.in_channels * v.temporal_patch * v.patch**2 * v.hidden
+        mlp = (3 if v.gated_mlp else 2) * v.hidden * v.intermediate
+        linear += v.depth * 2 * patches * (4 * v.hidden**2 + mlp)
+        linear += (1 + v.deepstack) * 2 * units * unit * v.hidden * (unit * v.hidden + v.out_hidden)
+        attention += sum(4 * v.hidden * sum(s * s for s in block_segments(v, grid, b)) for b in range(v.depth))
+    return linear, attention
+
+
+# ---------------------------------------------------------------------- LLM
+def token_linear(x: TextDims) -> int:
+    """Linear FLOPs of one token through every decoder layer (q, k, v, o and the SwiGLU MLP)."""
+    attn = 2 * x.hidden * x.heads * x.head_dim + 2 * x.hidden * x.kv_heads * x.head_dim
+    return x.layers * 2 * (attn + 3 * x.hidden * x.intermediate)
+
+
+def prefill_flops(x: TextDims, prompt_tokens: int) -> tuple[int, int]:
+    """(linear, attention) FLOPs of the LLM's prefill over `prompt_tokens` tokens, lm_head on the last."""
+    linear = prompt_tokens * token_linear(x) + 2 * x.hidden * x.vocab
+    return linear, x.layers * 4 * prompt_tokens**2 * x.heads * x.head_dim
+
+
+def decode_flops(x: TextDims, prompt_tokens: int, output_tokens: int) -> int:
+    """FLOPs (linear and attention) of the n - 1 decode steps after prefill, step i against L + i keys."""
+    steps = max(0, output_tokens - 1)
+    keys = sum(prompt_tokens + i for i in range(1, steps + 1))
+    return steps * (token_linear(x) + 2 * x.hidden * x.vocab) + x.layers * 4 * keys * x.heads * x.head_dim
+
+
+# ---------------------------------------------------------------------- a method's own work
+def tome_similarity(pair_sizes: list[int], keep: int, width: int) -> int:
+    """ToMe's bipartite similarities: per round |A| x |B| cosines of `width`-wide features, rounds
+    repeated until each pair reaches its share of `keep` (as `tome.merge_pair` runs them)."""
+    total = 0
+    for size, target in zip(pair_sizes, per_pair_budget(pair_sizes, keep)):
+        alive = size
+        while alive > target:
+            a, b = (alive + 1) // 2, alive // 2
+            total += 2 * a * b * width
+            alive -= min(a, alive - target)
+    return total
+
+
+def visionzip_similarity(pair_sizes: list[int], keep: int, width: int) -> int:
+    """VisionZip's contextual merging: per pair with budget k, the k - n_dom targets against the
+    size - n_dom non-dominant tokens (n_dom as `visionzip.compress` splits k)."""
+    total = 0
+    for size, k in zip(pair_sizes, per_pair_budget(pair_sizes, keep)):
+        n_dom = max(1, round(k * visionzip.DOMINANT_FRACTION)) if k > 1 else 1
+        total += 2 * (size - n_dom) * (k - n_dom) * width
+    return total
+
+
+SIMILARITY = {tome.compress: tome_similarity, visionzip.compress: visionzip_similarity}
+
+
+def recomputed_attention(v: VisionDims, grids) -> int:
+    """The last vision block's attention recomputed eagerly for VisionZip / FlashVid: its qkv
+    projection 2 * P * 3 D^2 and QK^T 2 * D * L_s^2 per segment (`vision_attention.received_attention`)."""
+    last = v.depth - 1
+    total = 0
+    for grid in grids:
+        t, h, w = grid
+        total += 2 * t * h * w * v.merge**2 * 3 * v.hidden**2
+        total += sum(2 * v.hidden * s * s for s in block_segments(v, grid, last))
+    return total
+
+
+def method_flops(method, dims: BackboneDims, grids, retention: float | None) -> int:
+    """FLOPs a method adds to the backbone's own (a `methods.Method` over the vanilla `grids`):
+    zero for methods that only resize or drop."""
+    total = recomputed_attention(dims.vision, grids) if method.needs_attention else 0
+    similarity = SIMILARITY.get(method.compress)
+    if similarity is not None:
+        pair_sizes = [t * h * w for t, h, w in grids]
+        keep = kept_count(retention, sum(pair_sizes), len(pair_sizes))
+        total += similarity(pair_sizes, keep, dims.vision.out_hidden)
+    return total
+
+
+# ---------------------------------------------------------------------- one sample
+@dataclass(frozen=True)
+class SampleFlops:
+    """FLOPs of one sample. vision / vision_attention: the tower's linear and attention terms;
+    llm_prefill / llm_attention: the LLM's prefill linear (lm_head on the last token) and attention
+    terms; decode: every decode step (linear and attention); method: a method's own work."""
+
+    vision: int
+    vision_attention: int
+    llm_prefill: int
+    llm_attention: int
+    decode: int
+    method: int
+
+    @property
+    def linear(self) -> int:
+        """The paper's latency-table counting: prefill's linear layers (vision tower and LLM)."""
+        return self.vision + self.llm_prefill
+
+    @property
+    def attention(self) -> int:
+        return self.vision_attention + self.llm_attention
+
+    @property
+    def total(self) -> int:
+        return sum(getattr(self, f.name) for f in fields(self))
+
+
+def sample_flops(
+    dims: BackboneDims,
+    method,
+    grids,
+    retention: float | None,
+    prompt_tokens: int,
+    output_tokens: int,
+) -> SampleFlops:
+    """FLOPs of one sample: the vision tower over the planned `grids` (t, h, w merged tokens, the
+    vanilla ones for a token compressor), the LLM over the `prompt_tokens` that entered it and
+    `output_tokens` generated, and the `method`'s own work at `retention`."""
+    vision, vision_attention = vision_flops(dims.vision, grids)
+    prefill, attention = prefill_flops(dims.text, prompt_tokens)
+    return SampleFlops(
+        vision=vision,
+        vision_attention=vision_attention,
+        llm_prefill=prefill,
+        llm_attention=attention,
+        decode=decode_flops(dims.text, prompt_tokens, output_tokens),
+        method=method_flops(method, dims, grids, retention),
+    )
+
+
+# ---------------------------------------------------------------------- a table row from configs alone
+def row_flops(
+    dims: BackboneDims,
+    method_name: str,
+    frames: int,
+    size_hw: tuple[int, int],
+    retention: float | None = None,
+    text_tokens: int = 24,
+    output_tokens: int = 0,
+) -> tuple[SampleFlops, int]:
+    """(FLOPs, visual tokens entering the LLM) of `frames` frames of a `size_hw` (height, width)
+    pixel source under a method, planned as the pipeline plans it (the default 768-token base
+    size, the method's scale policy; a compressor keeps floor(R * N) of the vanilla tokens), with
+    `text_tokens` of text in the prompt. Methods scored by the Allocator need a video: refused."""
+    from ..budget.plan import TokenGrid
+    from ..budget.planner import Planner
+    from ..budget.policies import BudgetSpec
+    from ..methods import get_method
+
+    method = get_method(method_name)
+    if method.needs_allocator:
+        raise ValueError(f"method={method_name} plans from the Allocator's scales of a real video, not from configs")
+    grid = TokenGrid(token_px=dims.token_px, temporal_patch=dims.vision.temporal_patch)
+    spec = BudgetSpec(retention=retention)
+    planner = Planner(grid, spec)
+    base_hw = planner.base_hw(size_hw)
+    plan = planner.plan(method.policy(frames, base_hw, grid, spec), base_hw)
+    visual = plan.visual_tokens
+    if method.compress is not None:
+        visual = kept_count(retention, visual, len(plan.grids))
+    return sample_flops(dims, method, plan.grids, retention, visual + text_tokens, output_tokens), visual
