@@ -1,17 +1,18 @@
 """The resadapt front end per frame as T grows: before (one batch of all frames) and after (chunks), in one run.
 
-    .venv/bin/python benchmarks/frontend_scaling.py [--frames 8 16 32 64 128] [--height 480 --width 640]
+    .venv/bin/python benchmarks/frontend_scaling.py [--frames 8 16 32 64 128] [--height 480 --width 640] [--threads 1]
 
 One smoke video is decoded once (its 32 frames, resized once to --height x --width and repeated to
 the largest T). For each T the untrained Allocator (minilm-effnet encoders, D=1024) scores the
 first T frames through `AllocatorPolicy.raw_scales` with `frame_chunk=T` (before: one EfficientNet
 batch of all frames, all of them converted to float at full resolution at once) and with
-`frame_chunk=16` (after); the scales of both are printed side by side as a max difference. The fixed-scale search for
---retention is timed uncached (`fixed_scale_for_retention`) and as the `fixed_scale` policy runs it
-now (cached per frames, base size and budget; a repeated request is a cache hit). Medians over
---repeats runs (one warm-up at the smallest T); the visual stage and the search are per frame, text (one query
-per request, independent of T) and predict per request. The last row is the ratio T=max / T=min of
-the per-frame times.
+`frame_chunk=16` (after), the two taking turns; the max difference of their scales is printed. The
+fixed-scale search for --retention is timed uncached (`fixed_scale_for_retention`) and as the
+`fixed_scale` policy runs it now (cached per frames, base size and budget; a repeated request is a
+cache hit). Medians over --repeats runs (one warm-up at the smallest T); the visual stage and the
+search are per frame, text (one query per request, independent of T) and predict per request. The
+ratio line is T=max / T=min of the per-frame times; the last lines run T=16 on 1 thread and on
+torch's default thread count (--threads sets the table's).
 """
 
 from __future__ import annotations
@@ -45,10 +46,14 @@ def frames_of(path: Path, num_frames: int, height: int, width: int) -> np.ndarra
     return np.ascontiguousarray(np.resize(resized, (num_frames, height, width, 3)))
 
 
-def stage_medians(policy: AllocatorPolicy, frames: np.ndarray, repeats: int) -> tuple[np.ndarray, dict]:
-    """The scales of `policy.raw_scales` and its median stage seconds over `repeats` runs."""
-    runs = [policy.raw_scales(frames, QUERY) for _ in range(repeats)]
-    return runs[0][0], {key: statistics.median(run[1][key] for run in runs) for key in runs[0][1]}
+def stage_medians(policies: list[AllocatorPolicy], frames: np.ndarray, repeats: int) -> list[tuple[np.ndarray, dict]]:
+    """Per policy: the scales of `raw_scales` and its median stage seconds over `repeats` runs, the
+    policies taking turns within each repeat (so a change in machine load hits all alike)."""
+    runs = [[policy.raw_scales(frames, QUERY) for policy in policies] for _ in range(repeats)]
+    return [
+        (by_run[0][0], {key: statistics.median(run[1][key] for run in by_run) for key in by_run[0][1]})
+        for by_run in zip(*runs)
+    ]
 
 
 def main() -> None:
@@ -58,7 +63,10 @@ def main() -> None:
     parser.add_argument("--width", type=int, default=640)
     parser.add_argument("--retention", type=float, default=0.25)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads (the num_threads model_arg)")
     args = parser.parse_args()
+    default_threads = torch.get_num_threads()
+    torch.set_num_threads(args.threads)
 
     fixtures = ensure_fixtures(REPO / "fixtures")
     video = frames_of(
@@ -83,8 +91,8 @@ def main() -> None:
     per_frame = {}
     for T in args.frames:
         frames = video[:T]
-        scales_before, before = stage_medians(AllocatorPolicy(allocator, frame_chunk=T), frames, args.repeats)
-        scales_after, after = stage_medians(AllocatorPolicy(allocator, frame_chunk=FRAME_CHUNK), frames, args.repeats)
+        policies = [AllocatorPolicy(allocator, frame_chunk=T), AllocatorPolicy(allocator, frame_chunk=FRAME_CHUNK)]
+        (scales_before, before), (scales_after, after) = stage_medians(policies, frames, args.repeats)
         difference = np.abs(scales_before - scales_after).max()
         uncached = median_seconds(
             lambda: fixed_scale_for_retention(args.retention, T, base_hw, QWEN25VL_GRID, spec.s_min, spec.s_max),
@@ -107,6 +115,14 @@ def main() -> None:
         f"per-frame ratio T={hi}/T={lo}: visual before {ratio[0]:.2f}, after {ratio[1]:.2f}; "
         f"search uncached {ratio[2]:.2f}, cached {ratio[3]:.2f}"
     )
+    for threads in sorted({1, default_threads}):  # the same request on 1 thread and on torch's default
+        torch.set_num_threads(threads)
+        ((_, seconds),) = stage_medians([AllocatorPolicy(allocator)], video[:FRAME_CHUNK], args.repeats)
+        print(
+            f"T={FRAME_CHUNK} on {threads} thread(s): text {1e3 * seconds['allocator_text_s']:.1f} ms, visual "
+            f"{1e3 * seconds['allocator_visual_s'] / FRAME_CHUNK:.1f} ms/frame, "
+            f"predict {1e3 * seconds['allocator_predict_s']:.1f} ms"
+        )
 
 
 if __name__ == "__main__":

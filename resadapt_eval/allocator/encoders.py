@@ -10,9 +10,10 @@ All share one interface (`FrozenEncoders`), chosen by name in `AllocatorConfig.e
 - `tiny`: small random encoders (seeded) for tests: a 2-layer CNN on 32x32 frames, byte embeddings.
 
 Coarse frames are the frames the pipeline already decoded, resized (bilinear, antialiased) to the
-encoder's square input; nothing is decoded twice. Frames are encoded in chunks of `FRAME_CHUNK`
-(per-frame cost stays flat as T grows; one batch of 128 EfficientNet frames costs about 3x more per
-frame than chunks of 16), and only one chunk at a time is converted to float at full resolution.
+encoder's square input; nothing is decoded twice. Frames are encoded in chunks of `FRAME_CHUNK`,
+only one chunk at a time converted to float at full resolution: the cost per frame stays flat as T
+grows (one batch of 128 EfficientNet frames costs about 2x more per frame than chunks of 16 on one
+CPU thread: benchmarks/frontend_scaling.py).
 """
 
 from __future__ import annotations
