@@ -280,6 +280,7 @@ def test_data_parallel_on_two_cpu_processes_equals_one_process(fixtures_dir, tmp
 
     sidecars = sorted((tmp_path / "two").rglob("resadapt_samples_*.jsonl"))
     assert [p.name.rsplit("_", 1)[1] for p in sidecars] == ["rank0.jsonl", "rank1.jsonl"]
+    assert len({p.name.rsplit("_", 1)[0] for p in sidecars}) == 1  # one run stamp on every rank
     untimed = lambda r: {k: v for k, v in r.items() if not k.endswith("_s")}  # noqa: E731
     by_doc = {r["doc_id"]: untimed(r) for p in sidecars for r in map(json.loads, p.read_text().splitlines())}
     assert by_doc == {r["doc_id"]: untimed(r) for r in sidecar_records(tmp_path / "one")}
@@ -294,3 +295,5 @@ def test_data_parallel_on_two_cpu_processes_equals_one_process(fixtures_dir, tmp
         for out in (tmp_path / "one", tmp_path / "two")
     ]
     assert totals[0] == totals[1] and totals[0]["avg_resadapt_samples"] == len(by_doc)
+    manifest = run_manifest(tmp_path / "two")  # one, written by rank 0, counting both ranks
+    assert (manifest["world_size"], manifest["samples"], manifest["failed_samples"]) == (2, len(by_doc), 0)

@@ -87,6 +87,7 @@ def test_every_table_cell_equals_the_results_json_and_r_the_sidecar_mean(run_dir
         ]
         assert len(records) == 4
         assert row["R"] == pytest.approx(sum(r["achieved_retention"] for r in records) / len(records))
+        assert row["TFLOPs"] == pytest.approx(sum(r["total_flops"] for r in records) / len(records) / 1e12)
         if row["target"] is not None:
             assert row["R"] <= row["target"]
     markdown, latex = to_markdown(table), to_latex(table)
@@ -128,9 +129,14 @@ def test_plots_one_pareto_line_per_method(run_dir, tmp_path):
     assert sorted(lines) == ["fixed_scale", "resadapt", "vanilla"]
     assert len(lines["fixed_scale"]) == 2 and len(lines["vanilla"]) == 1
     assert all(xs == sorted(xs) for xs in ([x for x, _ in pts] for pts in lines.values()))
+    # on the compute axis, each method's cells in the same order, and resizing before the encoder is cheaper
+    compute = pareto_lines(runs, "resadapt_smoke_videoqa", 8, axis="tflops")
+    assert sorted(compute) == sorted(lines) and all(len(compute[m]) == len(lines[m]) for m in lines)
+    assert max(x for x, _ in compute["fixed_scale"]) < compute["vanilla"][0][0]
     written = write_plots(runs, tmp_path)
     names = {p.name for p in written}
     assert {"pareto_resadapt_smoke_videoqa_f8.png", "pareto_resadapt_smoke_videoqa_f8.pdf"} <= names
+    assert {"pareto_tflops_resadapt_smoke_videoqa_f8.png", "pareto_tflops_resadapt_smoke_videoqa_f8.pdf"} <= names
     assert any(n.startswith("scales_resadapt") for n in names) and any(n.startswith("heatmap_resadapt") for n in names)
     assert all(p.stat().st_size > 1000 for p in written)
 

@@ -96,7 +96,7 @@ class ResAdaptQwen(lmms):
         self.pipeline = VideoPipeline(backbone, config)
         self.batch_size_per_gpu = 1
         self.sidecar_dir = self._sidecar_dir(sidecar_dir, str(pretrained))
-        self.started = time.strftime("%Y%m%dT%H%M%S")
+        self.started = self._run_stamp()
         self.model_args = dict(
             pretrained=str(pretrained),
             device=device,
@@ -115,6 +115,15 @@ class ResAdaptQwen(lmms):
         return self.adapter_cls.from_pretrained(
             pretrained, device=device, dtype=dtype, attn_implementation=attn_implementation
         )
+
+    def _run_stamp(self) -> str:
+        """The run's start time, the same on every process (rank 0's), naming its sidecars and manifest."""
+        stamp = [time.strftime("%Y%m%dT%H%M%S")]
+        if self._world_size > 1:
+            from accelerate.utils import broadcast_object_list
+
+            broadcast_object_list(stamp, from_process=0)
+        return stamp[0]
 
     @staticmethod
     def _sidecar_dir(sidecar_dir: str | None, pretrained: str) -> Path:

@@ -91,6 +91,16 @@ class CellRun:
         ]
         return sum(rs) / len(rs) if rs else None
 
+    def tflops(self, table: str | None = None) -> float | None:
+        """Mean TFLOPs per successful sample (of one table's tasks), from the sidecar's
+        `total_flops`; None when no record carries FLOPs (runs made before they were counted)."""
+        flops = [
+            r["total_flops"]
+            for r in self.records
+            if r["error"] is None and "total_flops" in r and (table is None or table_of(r["task"]) == table)
+        ]
+        return sum(flops) / len(flops) / 1e12 if flops else None
+
     @property
     def untrained(self) -> bool:
         """The cell ran the untrained Allocator (`allocator=untrained`)."""

@@ -26,14 +26,24 @@ def _save(fig, out: Path, stem: str) -> list[Path]:
     return paths
 
 
-def pareto_lines(runs: list[CellRun], column: str, frames: int) -> dict[str, list[tuple[float, float]]]:
-    """method -> (achieved R, score) points sorted by R, for one score column and frame count."""
+AXES = {  # x axis of a Pareto plot: its label and how a cell is placed on it
+    "retention": ("achieved retention R (visual tokens / vanilla)", lambda run: run.achieved_retention()),
+    "tflops": ("TFLOPs per sample (vision tower + LLM, analytic)", lambda run: run.tflops()),
+}
+
+
+def pareto_lines(
+    runs: list[CellRun], column: str, frames: int, axis: str = "retention"
+) -> dict[str, list[tuple[float, float]]]:
+    """method -> (x, score) points sorted by x (achieved R, or TFLOPs per sample), for one score
+    column and frame count; cells without a value on the axis are left out."""
+    place = AXES[axis][1]
     lines = {}
     for method in METHODS:
         points = sorted(
-            (r.achieved_retention(), r.scores[column])
+            (place(r), r.scores[column])
             for r in runs
-            if r.method == method and r.frames == frames and column in r.scores and r.achieved_retention() is not None
+            if r.method == method and r.frames == frames and column in r.scores and place(r) is not None
         )
         if points:
             lines[method] = points
@@ -41,24 +51,27 @@ def pareto_lines(runs: list[CellRun], column: str, frames: int) -> dict[str, lis
 
 
 def pareto(runs: list[CellRun], out: Path) -> list[Path]:
-    """One figure per (column, frames): score vs achieved R, a line per method."""
+    """One figure per (column, frames, axis): score vs achieved R (`pareto_*`) and vs TFLOPs per
+    sample (`pareto_tflops_*`, where the records carry FLOPs), a line per method."""
     written = []
     columns = list(dict.fromkeys(c for r in runs for c in r.scores))
     for col in columns:
         for frames in sorted({r.frames for r in runs}):
             written += _save(pareto_figure(runs, col, frames), out, f"pareto_{col}_f{frames}")
+            if pareto_lines(runs, col, frames, "tflops"):
+                written += _save(pareto_figure(runs, col, frames, "tflops"), out, f"pareto_tflops_{col}_f{frames}")
     return written
 
 
-def pareto_figure(runs: list[CellRun], column: str, frames: int):
-    """Score vs achieved R for one column and frame count, a line per method (its display name)."""
+def pareto_figure(runs: list[CellRun], column: str, frames: int, axis: str = "retention"):
+    """Score vs achieved R (or TFLOPs) for one column and frame count, a line per method (its display name)."""
     fig, ax = plt.subplots(figsize=(6, 4.2))
     untrained = {r.method for r in runs if r.untrained}
-    for method, points in pareto_lines(runs, column, frames).items():
+    for method, points in pareto_lines(runs, column, frames, axis).items():
         xs, ys = zip(*points)
         label = METHODS[method].display_name + (" (untrained)" if method in untrained else "")
         ax.plot(xs, ys, marker="o", linewidth=1.8, label=label)
-    ax.set_xlabel("achieved retention R (visual tokens / vanilla)")
+    ax.set_xlabel(AXES[axis][0])
     ax.set_ylabel(column)
     ax.set_title(f"{column}, {frames} frames")
     ax.grid(alpha=0.3)

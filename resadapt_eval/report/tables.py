@@ -1,5 +1,6 @@
 """The paper's tables from a sweep: video QA (Table 1), temporal grounding (Table 2), image
-transfer; Markdown, LaTeX (booktabs) and CSV, achieved R on every row, best of each group in bold.
+transfer; Markdown, LaTeX (booktabs) and CSV, achieved R and mean TFLOPs per sample on every row,
+best of each group in bold.
 A cell with more failed samples than its sweep allowed shows `failed k/n` instead of scores (the
 CSV: empty scores, its status and counts); rows of the untrained Allocator say so.
 
@@ -69,6 +70,7 @@ def build_tables(runs: list[CellRun], paper_dir: Path | None = None) -> list[Tab
                 method=METHODS[run.method].display_name + (" (untrained)" if run.untrained else ""),
                 target=run.retention,
                 R=run.achieved_retention(name),
+                TFLOPs=run.tflops(name),
                 status=run.status,
                 samples=run.samples,
                 failed_samples=run.failed_samples,
@@ -126,6 +128,7 @@ def _fmt(value, digits=1) -> str:
 def _cells(table: Table, row: dict, with_paper: bool) -> list[str]:
     """Display cells of one row (without bold)."""
     out = [row["card"], str(row["frames"]), row["method"], _fmt(None if row["R"] is None else 100 * row["R"]) + "%"]
+    out.append("—" if row.get("TFLOPs") is None else f"{row['TFLOPs']:.3g}")  # 3 significant digits
     for col in table.columns:
         out.append(_fmt(row[col]) if row["status"] == "done" else f"failed {row['failed_samples']}/{row['samples']}")
         if with_paper:
@@ -135,14 +138,14 @@ def _cells(table: Table, row: dict, with_paper: bool) -> list[str]:
 
 
 def _header(table: Table, with_paper: bool) -> list[str]:
-    head = ["card", "frames", "method", "R"]
+    head = ["card", "frames", "method", "R", "TFLOPs"]
     for col in table.columns:
         head += [col, f"{col} (paper)", f"{col} Δ"] if with_paper else [col]
     return head
 
 
 def _score_index(table: Table, col: str, with_paper: bool) -> int:
-    return 4 + table.columns.index(col) * (3 if with_paper else 1)
+    return 5 + table.columns.index(col) * (3 if with_paper else 1)
 
 
 def to_markdown(table: Table, with_paper: bool = False) -> str:
@@ -194,7 +197,18 @@ def to_latex(table: Table, with_paper: bool = False) -> str:
 
 def to_csv(table: Table, with_paper: bool = False) -> str:
     """Machine-readable: full-precision scores, R as a fraction, the target, the paper columns."""
-    fields = ["card", "frames", "method", "target", "R", "status", "samples", "failed_samples", *table.columns]
+    fields = [
+        "card",
+        "frames",
+        "method",
+        "target",
+        "R",
+        "TFLOPs",
+        "status",
+        "samples",
+        "failed_samples",
+        *table.columns,
+    ]
     if with_paper:
         fields += ["paper_R", *[f"paper_{c}" for c in table.columns]]
     buffer = io.StringIO()
