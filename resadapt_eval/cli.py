@@ -101,6 +101,8 @@ def cmd_demo(args) -> int:
             rerun_changed=False,
         )
     )
+    if status == 2:  # the output holds cells of another configuration: no tables of stale cells
+        return status
     cmd_tables(common)
     cmd_plots(common)
     cmd_needle_report(argparse.Namespace(run_dir=str(out), data=str(data), out=None))
