@@ -281,11 +281,14 @@ def fixed_scale_for_retention(
     over_cap = first_where(lambda t: t > cap)
     if over_cap is not None:
         contenders.append(over_cap)
-    feasible = [(-retention(s), s) for s in contenders if retention(s) <= target]
+    reached = {s: retention(s) for s in contenders}  # each contender's plan, built once
+    feasible = [(-r, s) for s, r in reached.items() if r <= target]
     if feasible:
         return min(feasible)[1]
+    floor = min(reached.values())
     lowest_in_bounds = first_where(lambda t: t >= floor_tokens)
-    floor = min(retention(s) for s in contenders + [lowest_in_bounds] if s is not None)
+    if lowest_in_bounds is not None:
+        floor = min(floor, retention(lowest_in_bounds))
     raise InfeasibleBudget(
         target,
         floor,
