@@ -21,6 +21,10 @@ class VideoDecodeError(RuntimeError):
     """A video that is missing or cannot be decoded; the message names the path."""
 
 
+class NoVideoStream(ValueError):
+    """A file with no video stream (an audio file)."""
+
+
 @dataclass
 class DecodedVideo:
     """Frames decoded once from a video file.
@@ -71,7 +75,7 @@ def probe_video(path: str | Path) -> VideoInfo:
     """The first video stream of the file at `path` (PyAV; decodes its first frame for the rotation)."""
     with av.open(str(path)) as container:
         if not container.streams.video:
-            raise ValueError("the file has no video stream")
+            raise NoVideoStream("the file has no video stream")
         stream = container.streams.video[0]
         first = next(container.decode(stream), None)
         if first is None:
@@ -90,9 +94,10 @@ def probe_video(path: str | Path) -> VideoInfo:
 def is_moving_video(path: str | Path) -> bool:
     """Whether the file at `path` holds a video stream of more than one frame: an mp4 or a .webm
     video does, and so does an animated GIF; a still image or an audio-only file does not."""
-    with av.open(str(path)) as container:
-        has_video = bool(container.streams.video)
-    return has_video and probe_video(path).total_frames > 1
+    try:
+        return probe_video(path).total_frames > 1
+    except NoVideoStream:
+        return False
 
 
 def read_image(path: str | Path) -> np.ndarray:
