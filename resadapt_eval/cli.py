@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 from .fixtures import write_fixtures
+from .manifest import REPO
 from .methods import METHODS
 from .needle.data import EVIDENCE_PAIRS
 
@@ -285,7 +286,7 @@ def main(argv: list[str] | None = None) -> int:
             p.add_argument(
                 "--paper", action="store_true", help="add the paper's numbers and deltas (results/paper/*.csv)"
             )
-            p.add_argument("--paper-dir", default=str(Path(__file__).resolve().parents[1] / "results" / "paper"))
+            p.add_argument("--paper-dir", default=str(REPO / "results" / "paper"))
         p.set_defaults(func=func)
 
     p = sub.add_parser("train", help="train the Allocator with CAPO (see resadapt_eval/train/config.py for the YAML)")

@@ -10,7 +10,7 @@ import subprocess
 from importlib import metadata
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[1]  # the repository root when run from a checkout
 PACKAGES = (
     "resadapt-eval",
     "lmms-eval",

@@ -25,7 +25,7 @@ from pathlib import Path
 import yaml
 
 from .lmms.manifests import BACKBONES
-from .manifest import read_manifests, versions
+from .manifest import read_manifests, versions, write_json
 from .methods import METHODS, NO_RETENTION, get_method
 
 CELL_FILE = "cell.json"
@@ -297,7 +297,7 @@ def run_cell(
         key=config_key(config),
         config=config,
     )
-    (cell_dir / CELL_FILE).write_text(json.dumps(record, indent=2, allow_nan=False) + "\n")
+    write_json(cell_dir / CELL_FILE, record)
     return record
 
 

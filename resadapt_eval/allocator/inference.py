@@ -16,11 +16,11 @@ import numpy as np
 import torch
 import yaml
 
+from ..manifest import REPO
 from .encoders import FRAME_CHUNK
 from .model import INFERENCE_MODES, Allocator, AllocatorConfig, CheckpointError
 
 UNTRAINED = "untrained"
-REPO = Path(__file__).resolve().parents[2]
 BUDGET_FILE = "budget.json"  # beside an Allocator checkpoint's config.json: the budget it was trained with
 BUDGET_KEYS = (
     "s_min",
