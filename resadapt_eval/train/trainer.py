@@ -44,6 +44,24 @@ from ..manifest import write_json
 
 CHECKPOINTS = "checkpoints"
 COMPLETE = "complete"  # written last in a checkpoint folder
+# One row per prompt in `AllocatorTrainer.metrics`, gathered across processes; `index` first (the sort key).
+METRIC_COLUMNS = (
+    "index",
+    "mean",
+    "std",
+    "gini",
+    "scale_sum",
+    "scale_n",
+    "retention_sum",
+    "retention_n",
+    "reward_sum",
+    "reward_n",
+    "correct_sum",
+    "correct_n",
+    "loss_policy",
+    "loss_sim",
+    "loss_con",
+)
 LATENT_EPS = 1e-4  # sampled Beta actions are kept inside [eps, 1 - eps] so log-densities stay finite
 
 
@@ -168,7 +186,7 @@ class AllocatorTrainer:
             )
 
         for _ in range(cfg.ppo_epochs):
-            losses = []  # per prompt (policy, sim, con), of the last epoch
+            losses = []  # per prompt, of the last epoch
             total = 0.0
             for item in collected:
                 p1, p2 = self.model(**item["feats"])
@@ -193,7 +211,7 @@ class AllocatorTrainer:
                 )
                 # The mean over this process's share; DDP averages the equal shares' gradients.
                 total = total + (policy + capo.lambda_sim * sim + capo.lambda_con * con) / len(collected)
-                losses.append([policy.item(), sim.item(), con.item()])
+                losses.append(dict(loss_policy=policy.item(), loss_sim=sim.item(), loss_con=con.item()))
             self.optimizer.zero_grad()
             self.accelerator.backward(total)
             self.accelerator.clip_grad_norm_(self.model.parameters(), cfg.grad_clip)
@@ -245,45 +263,36 @@ class AllocatorTrainer:
         self.backbone_optimizer.step()
         return loss.item()
 
-    def metrics(self, collected: list, losses: list) -> dict:
-        """Step metrics over the whole global batch: one row of per-prompt statistics per prompt,
-        gathered from every process and put back in global-batch order, so 1 and W processes
-        reduce the same numbers in the same order."""
+    def metrics(self, collected: list, losses: list[dict]) -> dict:
+        """Step metrics over the whole global batch: one row of per-prompt statistics
+        (`METRIC_COLUMNS`) per prompt, gathered from every process and put back in global-batch
+        order, so 1 and W processes reduce the same numbers in the same order."""
         rows = []
         with torch.no_grad():
             for c, loss in zip(collected, losses):
                 mean = self.allocator.to_scale(self.allocator.latent_actions(*self.model(**c["feats"])))[0]
                 mean = mean.cpu().numpy()
                 r = c["rollouts"]
-                rows.append(
-                    [
-                        c["index"],
-                        mean.mean(),
-                        mean.std(),
-                        gini(mean),
-                        float(c["scales"].double().sum()),
-                        c["scales"].numel(),
-                        float(r.retention.double().sum()),
-                        r.retention.numel(),
-                        float(r.task_reward.double().sum()),
-                        r.task_reward.numel(),
-                        float(r.correct.double().sum()),
-                        r.correct.numel(),
-                        *loss,
-                    ]
+                stats = dict(
+                    index=c["index"],
+                    mean=mean.mean(),
+                    std=mean.std(),
+                    gini=gini(mean),
+                    scale_sum=float(c["scales"].double().sum()),
+                    scale_n=c["scales"].numel(),
+                    retention_sum=float(r.retention.double().sum()),
+                    retention_n=r.retention.numel(),
+                    reward_sum=float(r.task_reward.double().sum()),
+                    reward_n=r.task_reward.numel(),
+                    correct_sum=float(r.correct.double().sum()),
+                    correct_n=r.correct.numel(),
+                    **loss,
                 )
+                rows.append([stats[name] for name in METRIC_COLUMNS])
         local = torch.tensor(rows, dtype=torch.float64, device=self.accelerator.device)
         table = self.accelerator.gather(local).cpu().numpy()
         table = table[np.argsort(table[:, 0], kind="stable")]
-        column = dict(
-            zip(
-                (
-                    "index mean std gini scale_sum scale_n retention_sum retention_n reward_sum reward_n "
-                    "correct_sum correct_n loss_policy loss_sim loss_con"
-                ).split(),
-                table.T,
-            )
-        )
+        column = dict(zip(METRIC_COLUMNS, table.T))
         return dict(
             step=self.step,
             mean_scale=float(np.mean(column["mean"])),
