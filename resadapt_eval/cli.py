@@ -1,4 +1,4 @@
-"""`resadapt-eval` command line: fixtures | demo | sweep | tables | plots | train | flops |
+"""`resadapt-eval` command line: fixtures | demo | sweep | tables | plots | train | flops | profile |
 needle (make-data | train-backbone | train-allocator | report)."""
 
 from __future__ import annotations
@@ -6,6 +6,8 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
+
+import yaml
 
 from .fixtures import write_fixtures
 from .manifest import REPO
@@ -61,6 +63,15 @@ def cmd_tables(args) -> int:
     for table in tables:
         print(to_markdown(table, with_paper=args.paper))
     print(f"tables (md, tex, csv): {out}")
+    timed = [run for run in runs if any("first_token_s" in r for r in run.records)]
+    if timed:  # cells run by a version that times every stage: the paper's latency table
+        from .profile.latency import latency_rows, write_latency
+        from .profile.latency import to_markdown as latency_markdown
+
+        rows = latency_rows([(run.method, run.frames, run.retention, run.records) for run in timed])
+        write_latency(rows, out)
+        print(latency_markdown(rows))
+        print(f"latency table (md, csv): {out}")
     return 0
 
 
@@ -188,16 +199,29 @@ def cmd_needle_report(args) -> int:
 
 def cmd_flops(args) -> int:
     """The latency table's TFLOPs per (method, frames) from configs alone: linear layers of the
-    prefill (the paper's counting), then attention scores, the method's own work and decode beside."""
+    prefill (the paper's counting), then attention scores, the method's own work, the Allocator's
+    and decode beside."""
     from .compute.flops import TERA, load_dims, row_flops
     from .methods import NO_RETENTION, get_method
 
     dims = load_dims(args.backbone)
     width, height = (int(v) for v in args.size.lower().split("x"))
+    methods = [get_method(name) for name in args.methods.split(",")]
+    allocator = None
+    if any(m.needs_allocator for m in methods):
+        from .allocator import load_allocator
+
+        allocator = load_allocator(args.allocator)
     print(
         f"{args.backbone}: {args.size} source, {args.text_tokens} text tokens, {args.output_tokens} output tokens, "
-        f"R={args.retention}; TFLOPs (10^12, 2 per multiply-add); linear = vision + LLM prefill linear layers"
+        f"R={args.retention}; TFLOPs (10^12, 2 per multiply-add); linear = vision + LLM prefill linear layers; "
+        f"x_vanilla = (linear + allocator) / vanilla's linear, alloc_x_van = allocator / vanilla's linear"
     )
+    if allocator is not None:
+        print(
+            f"allocator: {args.allocator} ({allocator.config.encoder} encoders, {args.query_tokens} query tokens); "
+            "its rows use one scale for every frame at R (any allocation of those tokens has the same linear FLOPs)"
+        )
     header = (
         "method",
         "frames",
@@ -206,29 +230,71 @@ def cmd_flops(args) -> int:
         "x_vanilla",
         "attention",
         "method_extra",
+        "allocator",
+        "alloc_x_van",
         "decode",
         "total",
     )
     print("".join(f"{h:>14}" for h in header))
     for frames in (int(f) for f in args.frames.split(",")):
         vanilla, _ = row_flops(dims, "vanilla", frames, (height, width), None, args.text_tokens, args.output_tokens)
-        for name in args.methods.split(","):
-            retention = None if get_method(name).retention == NO_RETENTION else args.retention
+        for method in methods:
+            retention = None if method.retention == NO_RETENTION else args.retention
             flops, visual = row_flops(
-                dims, name, frames, (height, width), retention, args.text_tokens, args.output_tokens
+                dims,
+                method.name,
+                frames,
+                (height, width),
+                retention,
+                args.text_tokens,
+                args.output_tokens,
+                allocator,
+                args.query_tokens,
             )
             cells = (
-                name,
+                method.name,
                 frames,
                 visual,
                 f"{flops.linear / TERA:.1f}",
-                f"{flops.linear / vanilla.linear:.3f}",
+                f"{(flops.linear + flops.allocator) / vanilla.linear:.3f}",
                 f"{flops.attention / TERA:.1f}",
                 f"{flops.method / TERA:.3f}",
+                f"{flops.allocator / TERA:.3f}",
+                f"{flops.allocator / vanilla.linear:.2e}",
                 f"{flops.decode / TERA:.2f}",
                 f"{flops.total / TERA:.1f}",
             )
             print("".join(f"{c:>14}" for c in cells))
+    return 0
+
+
+def cmd_profile(args) -> int:
+    from .profile.run import ProfileSettings, print_rows, profile
+    from .sweep import load_card
+
+    card = load_card(args.card)
+    methods = args.methods or ",".join(["vanilla", "fixed_scale"] + (["resadapt"] if card.allocator else []))
+    engine_args = {}
+    for item in filter(None, args.engine_args.split(",")):
+        key, _, value = item.partition("=")
+        engine_args[key.strip()] = yaml.safe_load(value)
+    width, height = (int(v) for v in args.size.lower().split("x"))
+    settings = ProfileSettings(
+        methods=methods.split(","),
+        frames=[int(f) for f in (args.frames.split(",") if args.frames else card.frames)],
+        retentions=[float(r) for r in args.retention.split(",")],
+        runs=args.runs,
+        warmup=args.warmup,
+        video=args.video,
+        size=(width, height),
+        engine=args.engine,
+        engine_args=engine_args,
+        max_new_tokens=args.max_new_tokens,
+        query=args.query,
+    )
+    out = Path(args.output)
+    print_rows(profile(card, settings, out))
+    print(f"records, latency table (md, csv): {out}")
     return 0
 
 
@@ -347,11 +413,37 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--backbone", default="qwen25vl-7b", help="qwen25vl-7b, qwen3vl-8b, or a pretrained folder")
     p.add_argument("--frames", default="16,32,64,128")
     p.add_argument("--size", default="896x672", help="source WIDTHxHEIGHT in pixels")
-    p.add_argument("--methods", default="vanilla", help="comma-separated methods planned without the Allocator")
+    p.add_argument("--methods", default="vanilla", help="comma-separated methods (resadapt: with --allocator)")
+    p.add_argument(
+        "--allocator", default="untrained", help="the Allocator resadapt rows count: a checkpoint folder or untrained"
+    )
+    p.add_argument("--query-tokens", type=int, default=16, help="question tokens the Allocator's text encoder reads")
     p.add_argument("--retention", type=float, default=0.25, help="R of every method that takes one")
     p.add_argument("--text-tokens", type=int, default=24, help="prompt tokens besides the visual ones")
     p.add_argument("--output-tokens", type=int, default=0, help="generated tokens (decode), 0: prefill only")
     p.set_defaults(func=cmd_flops)
+
+    p = sub.add_parser(
+        "profile", help="time every stage of a request per method, frames and R: the paper's latency table"
+    )
+    p.add_argument("--card", required=True, help="model card (backbone, pretrained, model_args, allocator)")
+    p.add_argument("--methods", default=None, help="comma-separated (default: vanilla,fixed_scale and resadapt)")
+    p.add_argument("--frames", default=None, help="comma-separated frame counts (default: the card's)")
+    p.add_argument("--retention", default="0.25", help="comma-separated R of every method that takes one")
+    p.add_argument("--runs", type=int, default=5, help="timed requests per configuration")
+    p.add_argument("--warmup", type=int, default=1, help="untimed requests first, per configuration")
+    p.add_argument("--video", default=None, help="video file (default: a synthetic one at --size)")
+    p.add_argument("--size", default="640x480", help="WIDTHxHEIGHT of the synthetic video")
+    p.add_argument("--engine", choices=("hf", "vllm"), default="hf")
+    p.add_argument(
+        "--engine-args",
+        default="",
+        help="VLLMBackbone settings, e.g. tensor_parallel_size=4,gpu_memory_utilization=0.8 (vllm only)",
+    )
+    p.add_argument("--max-new-tokens", type=int, default=16)
+    p.add_argument("--query", default="What happens in this video?")
+    p.add_argument("--output", default="runs/profile", help="folder for records.jsonl and latency.md/csv")
+    p.set_defaults(func=cmd_profile)
 
     p = needle.add_parser(
         "report",

@@ -18,11 +18,12 @@ from typing import Callable
 import numpy as np
 import torch
 
-from .backbones.layout import Backbone
+from .backbones.layout import Backbone, EngineOutput
 from .budget.plan import ResizePlan
 from .budget.planner import Planner
 from .budget.policies import BudgetSpec
 from .budget.selection import OPERATORS
+from .compute.counting import CountedCall
 from .methods import METHODS, NO_RETENTION, REQUIRED_RETENTION, get_method
 from .record import SampleRecord, build_record
 from .video import DecodedVideo, decode_video, read_image
@@ -127,12 +128,14 @@ class Decoded:
 
 @dataclass(frozen=True)
 class Scores:
-    """The Allocator's raw scales per item (None for methods without it) and its stage seconds."""
+    """The Allocator's raw scales per item (None for methods without it), its stage seconds and
+    its FLOPs on this sample (`Allocator.flops`)."""
 
     raw: tuple[np.ndarray, ...] | None = None
     text_s: float = 0.0
     visual_s: float = 0.0
     predict_s: float = 0.0
+    flops: int = 0
 
 
 @dataclass(frozen=True)
@@ -151,25 +154,30 @@ class Planned:
 @dataclass(frozen=True)
 class Built:
     """The engine's request; visual_tokens: placeholders it must hold; merged_sizes: group sizes
-    of a token compressor; seconds: building time, resize_s of it resizing frames."""
+    of a token compressor, compressor_flops: its work as counted, vision_s: its vision tower's
+    seconds; seconds: building time, resize_s of it resizing frames."""
 
     request: object
     visual_tokens: int
     merged_sizes: tuple[int, ...] | None
     resize_s: float
     seconds: float
+    compressor_flops: int = 0
+    vision_s: float = 0.0
 
 
 @dataclass(frozen=True)
 class Generated:
     """The answer; prompt_ids: the engine's own prompt; visual_tokens: the visual placeholders
-    among them (what entered the LLM); seconds: this sample's share of the engine call."""
+    among them (what entered the LLM); seconds: this sample's share of the engine call; engine:
+    what the engine reported (its clocks)."""
 
     text: str
     prompt_ids: tuple[int, ...]
     visual_tokens: int
     output_tokens: int
     seconds: float
+    engine: EngineOutput
 
 
 class VideoPipeline:
@@ -279,7 +287,11 @@ class VideoPipeline:
             lengths = [len(item.indices) for item in decoded[i].items]
             per_item = tuple(np.split(scales, np.cumsum(lengths)[:-1]))
             out[i] = Scores(
-                per_item, seconds["allocator_text_s"], seconds["allocator_visual_s"], seconds["allocator_predict_s"]
+                per_item,
+                seconds["allocator_text_s"],
+                seconds["allocator_visual_s"],
+                seconds["allocator_predict_s"],
+                self.allocator.flops(sum(lengths), requests[i].query),
             )
         return out
 
@@ -319,7 +331,7 @@ class VideoPipeline:
         """The engine's request: frames resized to the plan, then the prompt and pixels (and, for
         token compressors, the encoded tokens compressed to round(R * N))."""
         t0 = time.perf_counter()
-        merged = None
+        merged, compressor, vision_s = None, CountedCall(self.method.compress), 0.0
         if decoded.images:
             frames = [item.frames[0] for item in planned.items]
             resized = self.layout.resized_images(frames, list(planned.plans))
@@ -333,19 +345,21 @@ class VideoPipeline:
             if self.method.compress is None:
                 payload, visual = self.backbone.build_inputs(request.prompt, video, plan, pairs), plan.visual_tokens
             else:
-                payload, sizes = self.backbone.build_compressed_inputs(
-                    request.prompt,
-                    video,
-                    plan,
-                    self.method.compress,
-                    self.config.budget.retention,
-                    seed=self.config.compression_seed,
-                    needs_attention=self.method.needs_attention,
-                    pairs=pairs,
-                )
-                merged = tuple(sizes.tolist())
+                timer = self.backbone.vision_timer
+                with timer.recording():
+                    payload, sizes = self.backbone.build_compressed_inputs(
+                        request.prompt,
+                        video,
+                        plan,
+                        compressor,
+                        self.config.budget.retention,
+                        seed=self.config.compression_seed,
+                        needs_attention=self.method.needs_attention,
+                        pairs=pairs,
+                    )
+                merged, vision_s = tuple(sizes.tolist()), timer.take()
                 visual = len(merged)
-        return Built(payload, visual, merged, resize_s, time.perf_counter() - t0)
+        return Built(payload, visual, merged, resize_s, time.perf_counter() - t0, compressor.flops, vision_s)
 
     def generate(self, requests: list[Request], built: dict[int, Built], failed: dict) -> dict[int, Generated]:
         """Generate every built request in one engine call (its time shared equally); a prompt
@@ -362,9 +376,9 @@ class VideoPipeline:
             return self._fail_together(alive, exc, failed)
         share = (time.perf_counter() - t0) / len(alive)
         out = {}
-        for i, (text, prompt_ids, n_out) in zip(alive, outputs):
-            counted = list(prompt_ids).count(self.layout.placeholder_id(requests[i].video is None))
-            out[i] = Generated(text, tuple(prompt_ids), counted, n_out, share)
+        for i, answer in zip(alive, outputs):
+            counted = answer.prompt_ids.count(self.layout.placeholder_id(requests[i].video is None))
+            out[i] = Generated(answer.text, tuple(answer.prompt_ids), counted, answer.output_tokens, share, answer)
             if counted != built[i].visual_tokens:
                 exc = RuntimeError(
                     f"the engine's prompt holds {counted} visual placeholders, the plan counts {built[i].visual_tokens}"

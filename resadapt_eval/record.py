@@ -28,13 +28,19 @@ class SampleRecord:
     entry per image in base_size, scales, pair_sizes and grids. Seconds: decode_s (video decode),
     allocator_{text,visual,predict}_s (Allocator stages; predict includes the projection),
     scale_apply_s (resizing frames to the plan), preprocess_s (planning and building the model
-    inputs, resize included), generate_s. error: `ExceptionType: message` of a failed sample.
+    inputs, resize included), generate_s (this sample's share of the engine call), vision_s (the
+    vision tower, inside generate_s or, for a compressor, in preprocess_s; None on vLLM),
+    first_token_s (the engine starting this request to its first token: vision tower and prefill),
+    per_token_s (each later token), peak_memory_mb (`profile.clock.peak_memory_mb`; None on vLLM).
+    Stage clocks are CUDA events on a GPU, wall clocks on CPU. error: `ExceptionType: message`.
     allocator: the Allocator checkpoint of method=resadapt (`untrained` when run on purpose without one).
     FLOPs of a successful sample (0 for a failed one; counted by `compute.flops`, 2 per multiply-add
     of every matmul and convolution): vision_flops / vision_attention_flops (vision tower: linear
     layers / attention scores), llm_prefill_flops / llm_attention_flops (LLM over the prompt: linear
     layers with lm_head on the last token / attention scores), decode_flops (all decode steps),
-    method_flops (a compressor's own work), total_flops (their sum). The Allocator is not counted.
+    method_flops (a method's own work: recomputed attention, its compressor's work as counted while
+    it ran), allocator_flops (the Allocator's encoders and decoder on this sample alone, padding in a
+    batch not counted), total_flops (their sum).
     """
 
     doc_id: int | None
@@ -65,12 +71,17 @@ class SampleRecord:
     scale_apply_s: float = 0.0
     preprocess_s: float = 0.0
     generate_s: float = 0.0
+    vision_s: float | None = None
+    first_token_s: float | None = None
+    per_token_s: float | None = None
+    peak_memory_mb: float | None = None
     vision_flops: int = 0
     vision_attention_flops: int = 0
     llm_prefill_flops: int = 0
     llm_attention_flops: int = 0
     decode_flops: int = 0
     method_flops: int = 0
+    allocator_flops: int = 0
     total_flops: int = 0
     error: str | None = None
 
@@ -138,6 +149,11 @@ def build_record(
         record.frame_budget = record.visual_tokens / sum(frame_tokens) * len(frame_tokens)
         record.input_tokens, record.output_tokens = len(generated.prompt_ids), generated.output_tokens
         record.generate_s = generated.seconds
+        engine = generated.engine
+        record.first_token_s, record.per_token_s = engine.first_token_s, engine.per_token_s
+        record.peak_memory_mb = engine.peak_memory_mb
+        if engine.vision_s is not None:
+            record.vision_s = engine.vision_s + built.vision_s
         grids = [g for p in planned.plans for g in p.grids]
         flops = sample_flops(
             dims_from_config(layout.config),
@@ -146,8 +162,11 @@ def build_record(
             config.budget.retention,
             record.input_tokens,
             record.output_tokens,
+            compressor=built.compressor_flops if built.merged_sizes is not None else None,
+            allocator=scores.flops,
         )
         record.vision_flops, record.vision_attention_flops = flops.vision, flops.vision_attention
         record.llm_prefill_flops, record.llm_attention_flops = flops.llm_prefill, flops.llm_attention
-        record.decode_flops, record.method_flops, record.total_flops = flops.decode, flops.method, flops.total
+        record.decode_flops, record.method_flops, record.allocator_flops = flops.decode, flops.method, flops.allocator
+        record.total_flops = flops.total
     return record

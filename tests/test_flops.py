@@ -3,14 +3,16 @@ paper's latency-table TFLOPs from the 7B config, and the compute ratios at R = 0
 
 import pytest
 import torch
-from torch.utils.flop_counter import FlopCounterMode
 from transformers.vision_utils import get_vision_window_index
 
+from resadapt_eval.allocator.model import Allocator, AllocatorConfig
 from resadapt_eval.backbones.qwen import ADAPTERS
 from resadapt_eval.budget.policies import BudgetSpec
 from resadapt_eval.cli import main
-from resadapt_eval.compute.flops import load_dims, row_flops, segments
+from resadapt_eval.compute.counting import flop_counter
+from resadapt_eval.compute.flops import dims_from_config, load_dims, method_flops, row_flops, segments
 from resadapt_eval.manifest import run_summary, sample_totals
+from resadapt_eval.methods import get_method
 from resadapt_eval.pipeline import Request, VideoPipeline, VideoPipelineConfig
 
 PAPER_TFLOPS = {16: 111.4, 32: 222.5, 64: 444.6, 128: 888.9}  # latency table, Qwen2.5-VL-7B vanilla
@@ -36,19 +38,39 @@ def video_request(adapter, fixtures_dir) -> Request:
     return Request(prompt, video=video, gen_kwargs=dict(max_new_tokens=4))
 
 
-# FlashVid's similarities depend on the features and are not counted: checked apart below.
-COUNTED = [("vanilla", None), ("fixed_scale", 0.25), ("random_drop", 0.25), ("tome", 0.25), ("visionzip", 0.25)]
+COUNTED = [
+    ("vanilla", None),
+    ("fixed_scale", 0.25),
+    ("random_drop", 0.25),
+    ("tome", 0.25),
+    ("visionzip", 0.25),
+    ("flashvid", 0.25),
+    ("resadapt", 0.25),
+]
+
+
+@pytest.fixture(scope="module")
+def tiny_allocator(tmp_path_factory) -> str:
+    folder = tmp_path_factory.mktemp("allocator")
+    Allocator(AllocatorConfig(encoder="tiny", width=32, num_heads=4, head_init_std=0.5)).save_pretrained(folder)
+    return str(folder)
 
 
 @pytest.mark.parametrize("backbone", ["qwen25vl", "qwen3vl"])
 @pytest.mark.parametrize("method,retention", COUNTED)
-def test_record_flops_equal_flop_counter_mode(eager_adapters, fixtures_dir, backbone, method, retention):
+def test_record_flops_equal_flop_counter_mode(
+    eager_adapters, fixtures_dir, tiny_allocator, backbone, method, retention
+):
     adapter = eager_adapters[backbone]
-    pipeline = VideoPipeline(
-        adapter, VideoPipelineConfig(method=method, max_num_frames=8, budget=BudgetSpec(retention=retention))
+    allocator = tiny_allocator if method == "resadapt" else None
+    config = VideoPipelineConfig(
+        method=method, max_num_frames=8, budget=BudgetSpec(retention=retention), allocator=allocator
     )
-    with FlopCounterMode(display=False, depth=3) as counter:
-        _, record = pipeline.run(video_request(adapter, fixtures_dir))
+    pipeline = VideoPipeline(adapter, config)
+    request = video_request(adapter, fixtures_dir)
+    pipeline.run(request)  # the Allocator's encoders count their per-frame and per-length FLOPs on first use
+    with flop_counter(depth=3) as counter:
+        _, record = pipeline.run(request)
     assert record.error is None and record.output_tokens >= 2  # decode steps ran
     assert counter.get_total_flops() == record.total_flops
     # the tower runs inside generate, or on its own for a compressor (a root module of its own name)
@@ -56,27 +78,65 @@ def test_record_flops_equal_flop_counter_mode(eager_adapters, fixtures_dir, back
     names = (f"{type(model).__name__}.model.visual", type(model.model.visual).__name__)
     (vision,) = [counts for name, counts in counter.get_flop_counts().items() if name in names]
     assert sum(vision.values()) == record.vision_flops + record.vision_attention_flops
-    parts = ("vision", "vision_attention", "llm_prefill", "llm_attention", "decode", "method")
+    parts = ("vision", "vision_attention", "llm_prefill", "llm_attention", "decode", "method", "allocator")
     assert record.total_flops == sum(getattr(record, f"{p}_flops") for p in parts)
-    assert (record.method_flops > 0) == (method in ("tome", "visionzip"))
+    assert (record.method_flops > 0) == (method in ("tome", "visionzip", "flashvid"))
+    assert (record.allocator_flops > 0) == (method == "resadapt")
     summary = run_summary(sample_totals([record]))
     assert summary["total_tflops"] == record.total_flops / 1e12
 
 
-@pytest.mark.parametrize("backbone", ["qwen25vl", "qwen3vl"])
-def test_flashvid_counts_its_recomputed_attention_and_no_more(eager_adapters, fixtures_dir, backbone):
-    adapter = eager_adapters[backbone]
+@pytest.mark.parametrize("method", ["tome", "visionzip", "random_drop"])
+def test_similarities_from_configs_equal_the_counted_ones(eager_adapters, fixtures_dir, method):
+    """`row_flops` computes ToMe's and VisionZip's similarity work from the grids; a run counts it."""
+    adapter = eager_adapters["qwen25vl"]
+    config = VideoPipelineConfig(method=method, max_num_frames=8, budget=BudgetSpec(retention=0.25))
+    _, record = VideoPipeline(adapter, config).run(video_request(adapter, fixtures_dir))
+    dims = dims_from_config(adapter.model.config)
+    computed = method_flops(get_method(method), dims, [tuple(g) for g in record.grids], 0.25)
+    assert computed == record.method_flops
+
+
+def test_flashvid_counts_its_recomputed_attention_and_its_similarities(eager_adapters, fixtures_dir):
+    adapter = eager_adapters["qwen25vl"]
     pipeline = VideoPipeline(
         adapter, VideoPipelineConfig(method="flashvid", max_num_frames=8, budget=BudgetSpec(retention=0.5))
     )
-    with FlopCounterMode(display=False) as counter:
-        _, record = pipeline.run(video_request(adapter, fixtures_dir))
+    _, record = pipeline.run(video_request(adapter, fixtures_dir))
     # the last block's attention recomputed: qkv 2 * P * 3 D^2 and QK^T 2 * D * L^2 per pair (last block: full)
     v = adapter.model.config.vision_config
     patches = [t * h * w * 4 for t, h, w in record.grids]
-    expected = sum(2 * p * 3 * v.hidden_size**2 + 2 * v.hidden_size * p * p for p in patches)
-    assert record.method_flops == expected
-    assert counter.get_total_flops() >= record.total_flops
+    recomputed = sum(2 * p * 3 * v.hidden_size**2 + 2 * v.hidden_size * p * p for p in patches)
+    # and at least one cosine row per kept token against its pair (2 * n * D_out each)
+    width, tokens = v.out_hidden_size, [t * h * w for t, h, w in record.grids]
+    assert record.method_flops >= recomputed + sum(2 * n * width for n in tokens)
+    with pytest.raises(ValueError, match="depends on the features"):
+        row_flops(dims_from_config(adapter.model.config), "flashvid", 8, SOURCE_HW, 0.25)
+
+
+@pytest.mark.parametrize("encoder", ["tiny", "minilm-effnet"])
+@pytest.mark.parametrize("grad", [False, True])
+def test_allocator_flops_equal_flop_counter_mode(encoder, grad):
+    """`Allocator.flops` (encoders counted per frame and per query length, decoder by formula)
+    equals a count of scoring a whole video, in inference (MultiheadAttention's fast path) and training."""
+    allocator = Allocator(AllocatorConfig(encoder=encoder, width=64, num_heads=4, num_layers=2)).eval()
+    frames = torch.zeros(20, 40, 56, 3, dtype=torch.uint8)
+    query = "Which symbol appears in the frame with the red border?"
+    with torch.set_grad_enabled(grad), flop_counter() as counter:
+        feats = allocator.encoders.encode_frames(frames, chunk_size=16)[None]
+        text, mask = allocator.encoders.encode_text([query])
+        allocator(feats, torch.ones(1, 20, dtype=torch.bool), text, mask)
+    assert allocator.flops(20, allocator.encoders.text_tokens(query)) == counter.get_total_flops()
+
+
+def test_allocator_decoder_flops_by_hand():
+    allocator = Allocator(AllocatorConfig(encoder="tiny", width=32, num_heads=4, num_layers=1, ffn_mult=2))
+    T, L, D = 3, 5, 32  # tiny encoders: 32-wide frame and text features
+    projections = 2 * T * 32 * D + 2 * L * 32 * D
+    self_attention = 2 * T * D * 3 * D + 2 * (2 * T * T * D) + 2 * T * D * D
+    cross_attention = 2 * T * D * D + 2 * L * D * 2 * D + 2 * (2 * T * L * D) + 2 * T * D * D
+    ffn = 2 * T * D * 2 * D + 2 * T * 2 * D * D
+    assert allocator.decoder_flops(T, L) == projections + self_attention + cross_attention + ffn + 2 * T * D * 2
 
 
 def test_window_segments_match_transformers_window_index():
@@ -141,3 +201,20 @@ def test_flops_command_prints_the_papers_rows(capsys, fixtures_dir):
         "8",
         str(4 * 21 * 28),
     ]  # 896x672 at 32 px per token
+
+
+def test_flops_command_counts_the_allocator(capsys, tiny_allocator):
+    assert (
+        main(["flops", "--methods", "fixed_scale,resadapt", "--allocator", tiny_allocator, "--frames", "16,128"]) == 0
+    )
+    lines = capsys.readouterr().out.splitlines()
+    header = lines[2].split()
+    rows = {(r[0], int(r[1])): dict(zip(header, r)) for r in (line.split() for line in lines[3:])}
+    allocator = Allocator.from_pretrained(tiny_allocator)
+    for frames in (16, 128):
+        fixed, ours = rows["fixed_scale", frames], rows["resadapt", frames]
+        # the same tokens at R = 0.25, plus the Allocator's own FLOPs (16 query tokens by default)
+        assert ours["visual_tokens"] == fixed["visual_tokens"] and ours["linear"] == fixed["linear"]
+        vanilla, _ = row_flops(load_dims("qwen25vl-7b"), "vanilla", frames, SOURCE_HW)
+        expected = allocator.flops(frames, 16) / vanilla.linear
+        assert float(ours["alloc_x_van"]) == pytest.approx(expected, rel=0.01) and float(fixed["alloc_x_van"]) == 0

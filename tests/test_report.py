@@ -1,5 +1,6 @@
 """Sweeps (resume, failures), tables and plots from real lmms-eval output of the tiny model."""
 
+import csv
 import json
 import subprocess
 import sys
@@ -102,7 +103,13 @@ def test_every_table_cell_equals_the_results_json_and_r_the_sidecar_mean(run_dir
         timeout=300,
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
-    assert {p.name for p in (run_dir / "tables").iterdir()} == {"video_qa.md", "video_qa.tex", "video_qa.csv"}
+    written = {p.name for p in (run_dir / "tables").iterdir()}
+    assert written == {"video_qa.md", "video_qa.tex", "video_qa.csv", "latency.md", "latency.csv"}
+    # the latency table from the same run: one row per cell, TFLOPs the sidecar means
+    latency = {(r["method"], r["R"]): r for r in csv.DictReader((run_dir / "tables" / "latency.csv").open())}
+    assert len(latency) == 5 and all(float(r["ttft_ms"]) > 0 for r in latency.values())
+    vanilla = next(r for r in latency.values() if r["method"] == "vanilla")
+    assert float(vanilla["total_tflops"]) == pytest.approx(table.rows[0]["TFLOPs"])
     assert "resadapt_smoke_videoqa (paper)" in proc.stdout  # the tiny card has no paper rows: the columns show —
 
 

@@ -100,6 +100,9 @@ def test_run_batch_records_the_engines_tokens_and_a_bad_video_fails_alone(engine
         assert 0.20 <= record.achieved_retention <= 0.25
         assert record.achieved_retention == pytest.approx(record.visual_tokens / record.reference_tokens)
         assert 1 <= record.output_tokens <= 3 and record.generate_s > 0
+        # vLLM's own request metrics: time to first token, later tokens; its tower is not timed apart
+        assert record.first_token_s > 0 and record.vision_s is None and record.peak_memory_mb is None
+        assert (record.per_token_s is not None) == (record.output_tokens > 1)
 
 
 def test_resadapt_batches_the_allocator_over_the_chunk(engines, fixtures_dir):
@@ -167,3 +170,26 @@ def test_lmms_eval_cli_runs_the_vllm_models_within_budget(fixtures_dir, tmp_path
         assert 0.20 <= r["achieved_retention"] <= 0.25
         assert r["visual_tokens"] == sum(t * h * w for t, h, w in r["grids"])
     assert list(tmp_path.rglob("*_results.json")), "lmms-eval wrote no results JSON"
+
+
+def test_profile_on_the_vllm_engine(fixtures_dir, tmp_path):
+    from resadapt_eval.profile.run import ProfileSettings, profile
+    from resadapt_eval.sweep import load_card
+
+    from .conftest import REPO
+
+    card = load_card(REPO / "model_cards" / "tiny-qwen25vl.yaml")
+    settings = ProfileSettings(
+        methods=["vanilla", "resadapt"],
+        frames=[8],
+        retentions=[0.25],
+        runs=2,
+        max_new_tokens=3,
+        engine="vllm",
+        engine_args=dict(kv_cache_memory_bytes=KV_CACHE_BYTES),
+    )
+    rows = profile(card, settings, tmp_path)
+    assert [(r["method"], r["samples"]) for r in rows] == [("vanilla", 2), ("resadapt", 2)]
+    assert all(r["ttft_ms"] > 0 and r["gen_time_ms"] >= r["ttft_ms"] for r in rows)
+    assert rows[1]["visual_enc_ms"] > 0 and rows[1]["scale_tflops"] > 0 and rows[0]["vision_ms"] is None
+    assert (tmp_path / "latency.md").is_file()

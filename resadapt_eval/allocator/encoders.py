@@ -22,6 +22,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..compute.counting import counted_flops
+
 FRAME_CHUNK = 16  # frames per visual encode call
 
 
@@ -55,9 +57,38 @@ class FrozenEncoders(nn.Module):
 
     def encode_text(self, texts: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
         """Queries -> token states (B, L, text_dim) and a mask (B, L), True on real tokens."""
+        ids, mask = self.tokenize(texts)
+        return self.text_states(ids, mask), mask
+
+    def tokenize(self, texts: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Queries -> token ids (B, L) and a mask (B, L) on `device`, padded to the longest."""
         raise NotImplementedError
 
+    def text_states(self, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """Token ids (B, L) with their mask -> token states (B, L, text_dim)."""
+        raise NotImplementedError
+
+    def text_tokens(self, text: str) -> int:
+        """Tokens the text encoder reads for one query."""
+        return int(self.tokenize([text])[1].sum())
+
+    def frame_flops(self) -> int:
+        """FLOPs of encoding one frame (every frame is resized to the same square first, so the
+        cost does not depend on the source size), counted once by torch's FlopCounterMode."""
+        if self._frame_flops is None:
+            frame = torch.zeros(1, self.frame_size, self.frame_size, 3, dtype=torch.uint8, device=self.device)
+            self._frame_flops = counted_flops(self.encode_chunk, frame)[1]
+        return self._frame_flops
+
+    def text_flops(self, length: int) -> int:
+        """FLOPs of encoding one query of `length` tokens, counted once per length."""
+        if length not in self._text_flops:
+            ids = torch.zeros(1, length, dtype=torch.long, device=self.device)
+            self._text_flops[length] = counted_flops(self.text_states, ids, torch.ones_like(ids, dtype=torch.bool))[1]
+        return self._text_flops[length]
+
     def freeze(self) -> "FrozenEncoders":
+        self._frame_flops, self._text_flops = None, {}
         self.eval()
         for p in self.parameters():
             p.requires_grad_(False)
@@ -94,7 +125,7 @@ class TinyEncoders(FrozenEncoders):
         x = coarse_frames(frames, self.frame_size, (0.5, 0.5, 0.5), (0.5, 0.5, 0.5))
         return self.cnn(x).mean(dim=(2, 3))
 
-    def encode_text(self, texts):
+    def tokenize(self, texts):
         encoded = [list(t.encode("utf-8"))[:256] or [0] for t in texts]
         length = max(len(e) for e in encoded)
         ids = torch.zeros(len(texts), length, dtype=torch.long)
@@ -102,7 +133,10 @@ class TinyEncoders(FrozenEncoders):
         for i, e in enumerate(encoded):
             ids[i, : len(e)] = torch.tensor(e)
             mask[i, : len(e)] = True
-        return self.bytes(ids.to(self.device)), mask.to(self.device)
+        return ids.to(self.device), mask.to(self.device)
+
+    def text_states(self, ids, mask):
+        return self.bytes(ids)
 
 
 class MiniLMEffNetEncoders(FrozenEncoders):
@@ -135,12 +169,12 @@ class MiniLMEffNetEncoders(FrozenEncoders):
         x = coarse_frames(frames, self.frame_size, self.mean, self.std)
         return self.effnet.extract_features(x).mean(dim=(2, 3))
 
-    def encode_text(self, texts):
-        batch = self.tokenizer(texts, padding=True, truncation=True, max_length=256, return_tensors="pt").to(
-            self.device
-        )
-        states = self.text_model(**batch).last_hidden_state
-        return states, batch["attention_mask"].bool()
+    def tokenize(self, texts):
+        batch = self.tokenizer(texts, padding=True, truncation=True, max_length=256, return_tensors="pt")
+        return batch["input_ids"].to(self.device), batch["attention_mask"].bool().to(self.device)
+
+    def text_states(self, ids, mask):
+        return self.text_model(input_ids=ids, attention_mask=mask.long()).last_hidden_state
 
 
 class SmolVLMEncoders(FrozenEncoders):
@@ -175,12 +209,12 @@ class SmolVLMEncoders(FrozenEncoders):
         tokens = self.connector(self.vision_model(pixel_values=x).last_hidden_state)
         return tokens.mean(dim=1)
 
-    def encode_text(self, texts):
-        batch = self.tokenizer(texts, padding=True, truncation=True, max_length=256, return_tensors="pt").to(
-            self.device
-        )
-        states = self.text_model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).last_hidden_state
-        return states, batch["attention_mask"].bool()
+    def tokenize(self, texts):
+        batch = self.tokenizer(texts, padding=True, truncation=True, max_length=256, return_tensors="pt")
+        return batch["input_ids"].to(self.device), batch["attention_mask"].bool().to(self.device)
+
+    def text_states(self, ids, mask):
+        return self.text_model(input_ids=ids, attention_mask=mask.long()).last_hidden_state
 
 
 ENCODERS: dict[str, type[FrozenEncoders]] = {

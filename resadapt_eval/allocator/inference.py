@@ -2,13 +2,13 @@
 
 `AllocatorPolicy` is the `method=resadapt` scale source: it runs the Allocator on the frames the
 pipeline already decoded and the query, and reports its time per stage (text encode, visual
-encode, scale prediction) in seconds, as the paper's latency table splits it.
+encode, scale prediction) in seconds, as the paper's latency table splits it (CUDA events on a
+GPU, wall clocks on CPU).
 """
 
 from __future__ import annotations
 
 import json
-import time
 import warnings
 from pathlib import Path
 
@@ -17,6 +17,7 @@ import torch
 import yaml
 
 from ..manifest import REPO
+from ..profile.clock import Stopwatch
 from .encoders import FRAME_CHUNK
 from .model import INFERENCE_MODES, Allocator, AllocatorConfig, CheckpointError
 
@@ -97,6 +98,10 @@ class AllocatorPolicy:
         self.allocator, self.mode, self.quantile, self.seed = allocator, mode, quantile, seed
         self.frame_chunk = frame_chunk
 
+    def flops(self, num_frames: int, query: str) -> int:
+        """The Allocator's FLOPs on `num_frames` frames and `query` (`Allocator.flops`)."""
+        return self.allocator.flops(num_frames, self.allocator.encoders.text_tokens(query))
+
     def raw_scales(self, frames: np.ndarray, query: str) -> tuple[np.ndarray, dict]:
         """The Allocator's scales s_t (T,) for uint8 frames (T, H, W, 3) and a query, and the
         stage seconds (`allocator_text_s`, `allocator_visual_s`, `allocator_predict_s`)."""
@@ -112,9 +117,10 @@ class AllocatorPolicy:
         divided equally among the sequences."""
         enc = self.allocator.encoders
         segments = [list(seq) for seq in sequences]
-        t0 = time.perf_counter()
+        clock = Stopwatch(enc.device)
+        t0 = clock.mark()
         text, text_mask = enc.encode_text(list(queries))
-        t1 = time.perf_counter()
+        t1 = clock.mark()
         flat = [(i, j) for i, parts in enumerate(segments) for j in range(len(parts))]
         encoded = {}
         by_shape = {}  # segments of one frame size are encoded in one call
@@ -129,7 +135,7 @@ class AllocatorPolicy:
             for key, chunk in zip(group, features.split([len(p) for p in parts])):
                 encoded[key] = chunk
         per_sequence = [torch.cat([encoded[(i, j)] for j in range(len(parts))]) for i, parts in enumerate(segments)]
-        t2 = time.perf_counter()
+        t2 = clock.mark()
         lengths = [len(f) for f in per_sequence]
         feats = per_sequence[0].new_zeros(len(per_sequence), max(lengths), per_sequence[0].shape[-1])
         mask = torch.zeros(feats.shape[:2], dtype=torch.bool, device=feats.device)
@@ -140,10 +146,10 @@ class AllocatorPolicy:
         for i, n in enumerate(lengths):
             a = self.allocator.latent_actions(p1[i, :n], p2[i, :n], self.mode, self.quantile, self.seed)
             scales.append(self.allocator.to_scale(a).double().cpu().numpy())
-        n = len(per_sequence)
+        t3, n = clock.mark(), len(per_sequence)
         seconds = dict(
-            allocator_text_s=(t1 - t0) / n,
-            allocator_visual_s=(t2 - t1) / n,
-            allocator_predict_s=(time.perf_counter() - t2) / n,
+            allocator_text_s=clock.seconds(t0, t1) / n,
+            allocator_visual_s=clock.seconds(t1, t2) / n,
+            allocator_predict_s=clock.seconds(t2, t3) / n,
         )
         return scales, seconds

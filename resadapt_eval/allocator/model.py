@@ -210,6 +210,24 @@ class Allocator(nn.Module):
             mask[i, : len(f)] = True
         return dict(frame_features=feats, frame_mask=mask, text_features=text, text_mask=text_mask)
 
+    def decoder_flops(self, frames: int, text_tokens: int) -> int:
+        """FLOPs of `forward` for one video of T = `frames` frames and a query of L = `text_tokens`
+        tokens (2 per multiply-add; D = width, F = ffn_mult): the projections 2 T d_v D + 2 L d_q D;
+        per layer self-attention 2 T D 3D + 4 T^2 D + 2 T D^2, cross-attention 2 T D^2 + 2 L D 2D
+        + 4 T L D + 2 T D^2, FFN 4 T F D^2; the head 2 T D 2."""
+        D, T, L = self.config.width, frames, text_tokens
+        self_attention = 2 * T * D * 3 * D + 4 * T * T * D + 2 * T * D * D
+        cross_attention = 2 * T * D * D + 2 * L * D * 2 * D + 4 * T * L * D + 2 * T * D * D
+        ffn = 4 * T * self.config.ffn_mult * D * D
+        projections = 2 * T * self.encoders.frame_dim * D + 2 * L * self.encoders.text_dim * D
+        return projections + self.config.num_layers * (self_attention + cross_attention + ffn) + 2 * T * D * 2
+
+    def flops(self, frames: int, text_tokens: int) -> int:
+        """FLOPs of scoring one video of `frames` frames for a query of `text_tokens` tokens: the
+        frozen encoders (counted once per frame and per query length) and the decoder."""
+        encoders = frames * self.encoders.frame_flops() + self.encoders.text_flops(text_tokens)
+        return encoders + self.decoder_flops(frames, text_tokens)
+
     def distribution(self, frame_features, frame_mask, text_features, text_mask) -> Distribution:
         """Per-frame latent policy q(a_t | x) with batch shape (B, T)."""
         return self.make_distribution(*self(frame_features, frame_mask, text_features, text_mask))

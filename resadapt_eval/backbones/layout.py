@@ -12,6 +12,7 @@ checkpoint's config (no weights): the HF backbone (`qwen.py`) and the vLLM engin
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Protocol
 
 import numpy as np
@@ -127,18 +128,36 @@ class Qwen3VLLayout(QwenLayout):
 LAYOUTS = {layout.family: layout for layout in (Qwen25VLLayout, Qwen3VLLayout)}
 
 
+@dataclass(frozen=True)
+class EngineOutput:
+    """One request answered by an engine: text, the engine's own prompt token ids, generated
+    tokens; first_token_s: seconds from the engine starting it to its first token (vision tower
+    and prefill); per_token_s: seconds per later token; vision_s: the vision tower's seconds
+    (None where the engine does not expose its tower); peak_memory_mb (`profile.clock`)."""
+
+    text: str
+    prompt_ids: list[int]
+    output_tokens: int
+    first_token_s: float | None = None
+    per_token_s: float | None = None
+    vision_s: float | None = None
+    peak_memory_mb: float | None = None
+
+
 class Backbone(Protocol):
     """What `VideoPipeline` needs from an engine (the HF adapter, `VLLMBackbone`).
 
     layout: its `QwenLayout`; device: where the Allocator runs; compresses_tokens: it can run
     AFTER_MERGER methods; serves_images: it answers image requests. `build_*` return the engine's
     request for one sample, from frames already resized by the layout; `generate_batch` answers
-    several with per-request (text, prompt token ids, generated token count).
+    several, an `EngineOutput` each. vision_timer: times the vision tower where it runs outside
+    `generate_batch` (a compressor's encode); None where the engine does not expose its tower.
     """
 
     layout: QwenLayout
     device: torch.device
     compresses_tokens: bool
+    vision_timer: object | None
     serves_images: bool
 
     def build_inputs(
@@ -161,4 +180,4 @@ class Backbone(Protocol):
         pairs: list[torch.Tensor] | None = None,
     ): ...
 
-    def generate_batch(self, requests: list, gen_kwargs: list[dict]) -> list[tuple[str, list[int], int]]: ...
+    def generate_batch(self, requests: list, gen_kwargs: list[dict]) -> list[EngineOutput]: ...

@@ -13,14 +13,15 @@ from contextlib import nullcontext
 
 import numpy as np
 import torch
-from transformers import AutoConfig, AutoModelForImageTextToText, AutoProcessor
+from transformers import AutoConfig, AutoModelForImageTextToText, AutoProcessor, LogitsProcessorList
 from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import apply_rotary_pos_emb_vision as qwen25_vision_rotary
 from transformers.models.qwen3_vl.modeling_qwen3_vl import apply_rotary_pos_emb_vision as qwen3_vision_rotary
 from transformers.vision_utils import get_vision_window_index
 
 from ..budget.plan import ResizePlan
+from ..profile.clock import FirstLogits, ModuleTimer, Stopwatch, peak_memory_mb, reset_peak_memory
 from ..video import DecodedVideo
-from .layout import IMAGE_PAD, VIDEO_TOKEN_TYPE, Qwen3VLLayout, Qwen25VLLayout, QwenLayout
+from .layout import IMAGE_PAD, VIDEO_TOKEN_TYPE, EngineOutput, Qwen3VLLayout, Qwen25VLLayout, QwenLayout
 from .mrope import VisionRun, qwen25_mrope_positions
 from .vision_attention import last_block_input, received_attention
 
@@ -37,6 +38,8 @@ class QwenVideoAdapter:
         self.model = model
         self.layout = self.layout_cls(processor, model.config)
         self.processor, self.tokenizer, self.grid = processor, processor.tokenizer, self.layout.grid
+        self.stopwatch = Stopwatch(model.device)
+        self.vision_timer = ModuleTimer(model.model.visual, self.stopwatch)
 
     @classmethod
     def from_pretrained(
@@ -205,12 +208,28 @@ class QwenVideoAdapter:
         text, tokens = self.generate_ids(inputs, max_new_tokens, temperature, top_p, num_beams)
         return text, int(tokens.numel())
 
-    def generate_batch(self, requests: list[dict], gen_kwargs: list[dict]) -> list[tuple[str, list[int], int]]:
-        """Generate each built input in turn; per request (text, prompt token ids, generated tokens)."""
+    def generate_batch(self, requests: list[dict], gen_kwargs: list[dict]) -> list[EngineOutput]:
+        """Generate each built input in turn, timing its vision tower, first token and later tokens."""
         outputs = []
         for inputs, kwargs in zip(requests, gen_kwargs):
-            text, n_out = self.generate(inputs, **kwargs)
-            outputs.append((text, inputs["input_ids"][0].tolist(), n_out))
+            reset_peak_memory(self.device)
+            first = FirstLogits(self.stopwatch)
+            with self.vision_timer.recording():
+                start = self.stopwatch.mark()
+                text, tokens = self.generate_ids(inputs, **kwargs, logits_processor=[first])
+                end = self.stopwatch.mark()
+            n_out = int(tokens.numel())
+            outputs.append(
+                EngineOutput(
+                    text,
+                    inputs["input_ids"][0].tolist(),
+                    n_out,
+                    first_token_s=self.stopwatch.seconds(start, first.first),
+                    per_token_s=self.stopwatch.seconds(first.first, end) / (n_out - 1) if n_out > 1 else 0.0,
+                    vision_s=self.vision_timer.take(),
+                    peak_memory_mb=peak_memory_mb(self.device),
+                )
+            )
         return outputs
 
     @torch.inference_mode()
@@ -221,8 +240,10 @@ class QwenVideoAdapter:
         temperature: float = 0.0,
         top_p: float | None = None,
         num_beams: int = 1,
+        logits_processor: list | None = None,
     ) -> tuple[str, torch.Tensor]:
-        """Generate from `build_inputs` output; returns (text, generated token ids (L,))."""
+        """Generate from `build_inputs` output; returns (text, generated token ids (L,)).
+        logits_processor: transformers `LogitsProcessor`s run besides the sampling settings'."""
         self.model.model.rope_deltas = None  # never reuse positions cached by an earlier call
         sampling = (
             dict(do_sample=True, temperature=temperature, top_p=top_p)
@@ -235,6 +256,7 @@ class QwenVideoAdapter:
             num_beams=num_beams,
             eos_token_id=self.tokenizer.eos_token_id,
             pad_token_id=self.tokenizer.pad_token_id,
+            logits_processor=LogitsProcessorList(logits_processor or []),
             **sampling,
         )
         new_tokens = out[0, inputs["input_ids"].shape[1] :]

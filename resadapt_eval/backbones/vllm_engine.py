@@ -20,7 +20,7 @@ from transformers import AutoConfig, AutoProcessor
 
 from ..budget.plan import ResizePlan
 from ..video import DecodedVideo
-from .layout import LAYOUTS
+from .layout import LAYOUTS, EngineOutput
 from .vllm_plugin import QWEN25VL_ARCHITECTURE
 
 
@@ -68,6 +68,7 @@ class VLLMBackbone:
             limit_mm_per_prompt={"video": self.max_pairs, "image": 0},
             mm_processor_kwargs={"do_resize": False},
             max_model_len=max_model_len,
+            disable_log_stats=False,  # per-request metrics: time to first token, token timestamps
         )
         if kv_cache_memory_bytes is not None:
             engine_args["kv_cache_memory_bytes"] = int(kv_cache_memory_bytes)
@@ -81,6 +82,7 @@ class VLLMBackbone:
 
     compresses_tokens = False
     serves_images = False
+    vision_timer = None
 
     def build_inputs(
         self, prompt: str, video: DecodedVideo, plan: ResizePlan, pairs: list[torch.Tensor] | None = None
@@ -138,7 +140,23 @@ class VLLMBackbone:
             logprobs=logprobs,
         )
 
-    def generate_batch(self, requests: list[dict], gen_kwargs: list[dict]) -> list[tuple[str, list[int], int]]:
-        """Generate all requests together; per request (text, prompt token ids, generated tokens)."""
+    def generate_batch(self, requests: list[dict], gen_kwargs: list[dict]) -> list[EngineOutput]:
+        """Generate all requests together, timed by vLLM's request metrics (time to first token
+        from arrival, engine timestamps of the first and last token); its vision tower runs inside
+        the engine and is not timed apart, and its memory is vLLM's (`gpu_memory_utilization`)."""
         outputs = self.llm.generate(requests, [self.sampling_params(**kw) for kw in gen_kwargs], use_tqdm=False)
-        return [(out.outputs[0].text, list(out.prompt_token_ids), len(out.outputs[0].token_ids)) for out in outputs]
+        answers = []
+        for out in outputs:
+            n_out, metrics = len(out.outputs[0].token_ids), out.metrics
+            answers.append(
+                EngineOutput(
+                    out.outputs[0].text,
+                    list(out.prompt_token_ids),
+                    n_out,
+                    first_token_s=metrics.first_token_latency if metrics else None,
+                    per_token_s=(metrics.last_token_ts - metrics.first_token_ts) / (n_out - 1)
+                    if metrics and n_out > 1
+                    else None,
+                )
+            )
+        return answers

@@ -20,9 +20,12 @@ What runs per sample (Qwen2.5-VL / Qwen3-VL as in transformers):
 - decode: n generated tokens take n - 1 more forwards (the first comes from prefill); step i
   (1..n-1) runs one token against L + i keys.
 - a method's own work: the recomputed last-block attention of VisionZip / FlashVid (qkv
-  2 * P * 3 D^2 and QK^T 2 * D * sum(L_s^2)), and the cosine similarities of ToMe and VisionZip
-  (2 * rows * cols * D_out per similarity matrix). FlashVid's similarities depend on the features
-  (its segments and merge trees), so they are not counted.
+  2 * P * 3 D^2 and QK^T 2 * D * sum(L_s^2)), and the compressor's similarities. In a run the
+  compressor's work is counted while it runs (`counting.CountedCall`: FlashVid's depends on its
+  segments and merge trees); from configs alone (`row_flops`) ToMe's and VisionZip's are computed
+  (2 * rows * cols * D_out per similarity matrix), FlashVid's cannot be.
+- the Allocator (method=resadapt): its frozen encoders per frame and per query length, and its
+  decoder (`Allocator.flops`).
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ import json
 from dataclasses import dataclass, fields
 from pathlib import Path
 
-from ..baselines import tome, visionzip
+from ..baselines import random_drop, tome, visionzip
 from ..baselines.common import kept_count, per_pair_budget
 from .configs import KNOWN_CONFIGS
 
@@ -210,7 +213,16 @@ def visionzip_similarity(pair_sizes: list[int], keep: int, width: int) -> int:
     return total
 
 
-SIMILARITY = {tome.compress: tome_similarity, visionzip.compress: visionzip_similarity}
+def no_similarity(pair_sizes: list[int], keep: int, width: int) -> int:
+    """Random Drop draws its tokens: no matmul."""
+    return 0
+
+
+SIMILARITY = {
+    random_drop.compress: no_similarity,
+    tome.compress: tome_similarity,
+    visionzip.compress: visionzip_similarity,
+}
 
 
 def recomputed_attention(v: VisionDims, grids) -> int:
@@ -225,16 +237,19 @@ def recomputed_attention(v: VisionDims, grids) -> int:
     return total
 
 
-def method_flops(method, dims: BackboneDims, grids, retention: float | None) -> int:
+def method_flops(method, dims: BackboneDims, grids, retention: float | None, compressor: int | None = None) -> int:
     """FLOPs a method adds to the backbone's own (a `methods.Method` over the vanilla `grids`):
-    zero for methods that only resize or drop."""
+    the recomputed attention it reads, and its compressor's work, `compressor` FLOPs as counted in
+    a run or else computed from the grids (ToMe, VisionZip); zero for methods that only resize."""
     total = recomputed_attention(dims.vision, grids) if method.needs_attention else 0
+    if compressor is not None or method.compress is None:
+        return total + (compressor or 0)
     similarity = SIMILARITY.get(method.compress)
-    if similarity is not None:
-        pair_sizes = [t * h * w for t, h, w in grids]
-        keep = kept_count(retention, sum(pair_sizes), len(pair_sizes))
-        total += similarity(pair_sizes, keep, dims.vision.out_hidden)
-    return total
+    if similarity is None:
+        raise ValueError(f"method={method.name}: its compressor's work depends on the features; count it in a run")
+    pair_sizes = [t * h * w for t, h, w in grids]
+    keep = kept_count(retention, sum(pair_sizes), len(pair_sizes))
+    return total + similarity(pair_sizes, keep, dims.vision.out_hidden)
 
 
 # ---------------------------------------------------------------------- one sample
@@ -242,7 +257,8 @@ def method_flops(method, dims: BackboneDims, grids, retention: float | None) -> 
 class SampleFlops:
     """FLOPs of one sample. vision / vision_attention: the tower's linear and attention terms;
     llm_prefill / llm_attention: the LLM's prefill linear (lm_head on the last token) and attention
-    terms; decode: every decode step (linear and attention); method: a method's own work."""
+    terms; decode: every decode step (linear and attention); method: a method's own work;
+    allocator: the Allocator's (encoders and decoder)."""
 
     vision: int
     vision_attention: int
@@ -250,6 +266,7 @@ class SampleFlops:
     llm_attention: int
     decode: int
     method: int
+    allocator: int = 0
 
     @property
     def linear(self) -> int:
@@ -272,10 +289,13 @@ def sample_flops(
     retention: float | None,
     prompt_tokens: int,
     output_tokens: int,
+    compressor: int | None = None,
+    allocator: int = 0,
 ) -> SampleFlops:
     """FLOPs of one sample: the vision tower over the planned `grids` (t, h, w merged tokens, the
     vanilla ones for a token compressor), the LLM over the `prompt_tokens` that entered it and
-    `output_tokens` generated, and the `method`'s own work at `retention`."""
+    `output_tokens` generated, the `method`'s own work at `retention` (`compressor`: its
+    compressor's counted FLOPs, see `method_flops`) and the Allocator's `allocator` FLOPs."""
     vision, vision_attention = vision_flops(dims.vision, grids)
     prefill, attention = prefill_flops(dims.text, prompt_tokens)
     return SampleFlops(
@@ -284,7 +304,8 @@ def sample_flops(
         llm_prefill=prefill,
         llm_attention=attention,
         decode=decode_flops(dims.text, prompt_tokens, output_tokens),
-        method=method_flops(method, dims, grids, retention),
+        method=method_flops(method, dims, grids, retention, compressor),
+        allocator=allocator,
     )
 
 
@@ -297,25 +318,33 @@ def row_flops(
     retention: float | None = None,
     text_tokens: int = 24,
     output_tokens: int = 0,
+    allocator=None,
+    query_tokens: int = 16,
 ) -> tuple[SampleFlops, int]:
     """(FLOPs, visual tokens entering the LLM) of `frames` frames of a `size_hw` (height, width)
     pixel source under a method, planned as the pipeline plans it (the default 768-token base
     size, the method's scale policy; a compressor keeps floor(R * N) of the vanilla tokens), with
-    `text_tokens` of text in the prompt. Methods scored by the Allocator need a video: refused."""
+    `text_tokens` of text in the prompt. A method scored by `allocator` (an `Allocator`, reading
+    `query_tokens` of question) is planned with one scale for every frame at R: its scales depend
+    on the video, but every allocation with the same tokens has the same linear FLOPs."""
+    from ..budget import policies
     from ..budget.plan import TokenGrid
     from ..budget.planner import Planner
     from ..budget.policies import BudgetSpec
     from ..methods import get_method
 
     method = get_method(method_name)
-    if method.needs_allocator:
-        raise ValueError(f"method={method_name} plans from the Allocator's scales of a real video, not from configs")
+    if method.needs_allocator and allocator is None:
+        raise ValueError(f"method={method_name} needs an Allocator to count")
     grid = TokenGrid(token_px=dims.token_px, temporal_patch=dims.vision.temporal_patch)
     spec = BudgetSpec(retention=retention)
     planner = Planner(grid, spec)
     base_hw = planner.base_hw(size_hw)
-    plan = planner.plan(method.policy(frames, base_hw, grid, spec), base_hw)
+    policy = policies.fixed_scale if method.needs_allocator else method.policy
+    plan = planner.plan(policy(frames, base_hw, grid, spec), base_hw)
     visual = plan.visual_tokens
     if method.compress is not None:
         visual = kept_count(retention, visual, len(plan.grids))
-    return sample_flops(dims, method, plan.grids, retention, visual + text_tokens, output_tokens), visual
+    scoring = allocator.flops(frames, query_tokens) if method.needs_allocator else 0
+    flops = sample_flops(dims, method, plan.grids, retention, visual + text_tokens, output_tokens, allocator=scoring)
+    return flops, visual
