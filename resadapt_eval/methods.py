@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
-from .baselines import flashvid, random_drop, tome, visionzip
+from .baselines import divprune, flashvid, random_drop, tome, vidcom2, visionzip
 from .budget import policies
 
 # Where a method acts on the visual budget.
@@ -113,6 +113,8 @@ register(_compressor("random_drop", "Random Drop", "RandomDrop", random_drop))
 register(_compressor("tome", "ToMe", "ToMe", tome))
 register(_compressor("visionzip", "VisionZip", "VisionZip", visionzip, needs_attention=True))
 register(_compressor("flashvid", "FlashVid", "FlashVid", flashvid, needs_attention=True))
+register(_compressor("divprune", "DivPrune", "DivPrune", divprune))
+register(_compressor("vidcom2", "VidCom2", "VidCom2", vidcom2))
 register(
     Method(
         "fixed_scale",

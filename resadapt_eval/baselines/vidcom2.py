@@ -1,0 +1,123 @@
+"""VidCom2 (Liu et al., EMNLP 2025) on Qwen's merged video tokens, with frame pairs as frames.
+
+VidCom2 ("Video Compression Commander") prunes video tokens in two stages. Frame Compression
+Adjustment: a frame's uniqueness is minus the mean similarity of its tokens to the video's mean
+token; a low-temperature softmax over the frames turns it into per-frame retention ratios
+r_f = R (1 + sigma_f - mean(sigma)), so distinctive frames keep more tokens. Adaptive Token
+Compression: inside each frame, keep the r_f share of tokens least similar to both the frame's mean
+token and the video's mean token (the most unique ones); drop the rest.
+In the public code the similarity is a multi-scale Gaussian kernel, sum over a in {1/8, 1/4, 1/2, 1, 2}
+of exp(-|x - c|^2 / 2a), on the L2-normalised features restricted to the half of the channels with the
+lowest variance over the video, c being the mean of those vectors over the frame or the whole video;
+the softmax temperature is 0.01 and a frame keeps max(1, round(min(r_f, 1) * its tokens)).
+
+Paper: "Video Compression Commander: Plug-and-Play Inference Acceleration for Video Large Language
+Models", arXiv 2505.14454. Public code: github.com/xuyang-liu16/VidCom2,
+token_compressor/vidcom2/vidcom2.py (its Qwen2.5-VL / Qwen3-VL hooks: token_compressor/vidcom2/models/).
+
+Deviations from the reference:
+- Frames are Qwen frame pairs (the reference's Qwen port also scores per temporally merged frame).
+- Budgets sum to exactly keep = floor(R * N): pair f's quota is keep * s_f w_f / sum_g s_g w_g, with
+  w_f = 1 + sigma_f - mean(sigma) and s_f its tokens (for equal pairs exactly the reference's
+  R w_f s_f with R = keep / N); a quota above s_f is capped and the excess shared over the other pairs
+  in proportion to their quotas (the reference clips it away); quotas become integers by floor plus
+  largest remainder (ties to the earlier pair) instead of rounding each; a pair left with 0 gets 1,
+  taken from the largest budget (the reference's max(1, .) adds it to the total instead).
+- Pairs may differ in size (per-frame resolutions); the video mean is over all tokens.
+- Scores in float32; ties in channel variance or token score go to the lower index (the reference's
+  topk leaves them unspecified).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .common import DROPPED, VisualTokens, check_keep
+
+CHANNEL_FRACTION = 0.5  # share of channels kept for scoring: those of lowest variance
+KERNEL_WIDTHS = (1 / 8, 1 / 4, 1 / 2, 1.0, 2.0)  # Gaussian kernel scales a
+TEMPERATURE = 0.01  # softmax temperature of the frame uniqueness
+
+
+def low_variance_channels(features: torch.Tensor) -> torch.Tensor:
+    """features (N, D) restricted to the CHANNEL_FRACTION of channels with the lowest variance
+    over the video (biased), (N, D')."""
+    variance = features.var(dim=0, unbiased=False)
+    count = max(1, int(features.shape[1] * CHANNEL_FRACTION))
+    return features[:, torch.sort(variance, stable=True).indices[:count]]
+
+
+def gaussian_similarity(x: torch.Tensor, centre: torch.Tensor) -> torch.Tensor:
+    """Multi-scale Gaussian kernel between each row of x (n, D) and centre (D,), (n,)."""
+    squared = ((x - centre) ** 2).sum(dim=-1)
+    return sum(torch.exp(-squared / (2 * a)) for a in KERNEL_WIDTHS)
+
+
+def similarities(feats: torch.Tensor, starts: list[int], sizes: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each token's similarity to the video's mean token and to its frame's mean token, (N,) each;
+    feats (N, D') are the scoring channels, L2-normalised per token."""
+    to_video = gaussian_similarity(feats, feats.mean(dim=0))
+    to_frame = torch.cat(
+        [gaussian_similarity(feats[s : s + n], feats[s : s + n].mean(dim=0)) for s, n in zip(starts, sizes)]
+    )
+    return to_video, to_frame
+
+
+def frame_weights(to_video: torch.Tensor, starts: list[int], sizes: list[int]) -> torch.Tensor:
+    """Frame Compression Adjustment: w_f = 1 + sigma_f - mean(sigma), sigma = softmax(u / T) of the
+    frame uniqueness u_f = -mean over the frame of the similarity to the video, (F,)."""
+    uniqueness = torch.stack([-to_video[s : s + n].mean() for s, n in zip(starts, sizes)])
+    sigma = F.softmax((uniqueness - uniqueness.max()) / TEMPERATURE, dim=0)
+    return 1 + sigma - sigma.mean()
+
+
+def frame_budgets(weights: torch.Tensor, sizes: list[int], keep: int) -> list[int]:
+    """Tokens kept per frame, summing to keep: quotas keep * s_f w_f / sum(s w), capped at s_f with
+    the excess shared over the uncapped frames, floor + largest remainder, then at least 1 each."""
+    check_keep(sizes, keep)
+    size = torch.tensor(sizes, dtype=torch.float64)
+    share = weights.double().cpu() * size
+    capped = torch.zeros(len(sizes), dtype=torch.bool)
+    while True:
+        free = keep - size[capped].sum()
+        quota = torch.where(capped, size, free * share / share[~capped].sum())
+        over = ~capped & (quota > size)
+        if not over.any():
+            break
+        capped |= over
+    budget = [min(n, int(q)) for n, q in zip(sizes, quota.tolist())]
+    remainder = [q - b for q, b in zip(quota.tolist(), budget)]
+    for f in sorted(range(len(sizes)), key=lambda f: -remainder[f]):  # stable: earlier frame first
+        if sum(budget) == keep:
+            break
+        if budget[f] < sizes[f]:
+            budget[f] += 1
+    for f in range(len(sizes)):
+        if budget[f] == 0:
+            budget[f] = 1
+            budget[max(range(len(sizes)), key=lambda g: budget[g])] -= 1
+    return budget
+
+
+def unique_tokens(score: torch.Tensor, k: int) -> torch.Tensor:
+    """Adaptive Token Compression: indices of the k lowest scores (most unique), ties to the lower index."""
+    return torch.sort(score, stable=True).indices[:k]
+
+
+def compress(tokens: VisualTokens, keep: int, seed: int = 0) -> torch.Tensor:
+    """Assignment (N,): each pair's most unique tokens keep themselves, the rest are dropped."""
+    check_keep(tokens.pair_sizes, keep)
+    n = tokens.features.shape[0]
+    if keep == n:
+        return torch.arange(n)
+    starts, sizes = tokens.pair_starts, tokens.pair_sizes
+    feats = F.normalize(low_variance_channels(tokens.features.float()), dim=-1)
+    to_video, to_frame = similarities(feats, starts, sizes)
+    budget = frame_budgets(frame_weights(to_video, starts, sizes), sizes, keep)
+    score = (to_video + to_frame).cpu()
+    assignment = torch.full((n,), DROPPED, dtype=torch.long)
+    for s, size, k in zip(starts, sizes, budget):
+        kept = s + unique_tokens(score[s : s + size], k)
+        assignment[kept] = kept
+    return assignment
