@@ -1,0 +1,189 @@
+"""PruneVid (Huang et al., 2024), vision-side stage: spatio-temporal token merging, with Qwen frame pairs as frames.
+
+Paper: X. Huang, H. Zhou, K. Han, "PruneVid: Visual Token Pruning for Efficient Video Large Language Models",
+arXiv:2412.16117 (ACL 2025). Public code: github.com/Visual-AI/PruneVid, `merge_frames_dynamic`,
+`cluster_dpc_knn` and `refine_clusters` in models/pllava/modeling_pllava.py, defaults in scripts/eval.sh.
+
+What the method does (vision side):
+1. Temporal segmentation: the frames' mean tokens are clustered with DPC-KNN into int(0.25 * frames) clusters
+   (k = 7). The clusters are made contiguous: each keeps its longest run of consecutive frames, or none if all its
+   runs are single frames, and every other run joins the longer of its neighbouring runs (the left one on ties).
+   The runs of equal cluster are the segments (scenes).
+2. Static token merging: within a segment of W frames, a spatial position whose tokens have a mean pairwise cosine
+   over the W frames above tau = 0.8 is static. Its W tokens are averaged into one token. The other positions are
+   dynamic and stay per frame.
+3. Spatial merging: the static tokens of a segment, and the dynamic tokens of each frame, are clustered with DPC-KNN
+   (k = 7) into int(0.5 * count) clusters, each replaced by the mean of its tokens. DPC-KNN: distances
+   d = ||x_i - x_j|| / sqrt(C); density rho_i = exp(-mean of d^2 to the k nearest tokens, itself included);
+   delta_i = distance to the nearest denser token (the largest distance for the densest); the tokens with the
+   largest rho * delta are the centres, and every token joins its nearest centre.
+The method's last stage then prunes inside the LLM, keeping the visual tokens most attended by the question.
+
+Deviations from the reference:
+- Only the vision side is implemented. The LLM stage (keeping the alpha = 0.4 visual tokens most attended by the
+  question tokens at LLM layer 10, with the KV cache cut accordingly) runs inside the LLM and is not part of this
+  compressor.
+- A "frame" is one Qwen frame pair (`pair_sizes` tokens), compared after the vision merger.
+- Budget: the reference's output size follows from tau and the cluster ratio 0.5. Here the output has exactly
+  `keep` tokens. Positions above tau are the static candidates. They are merged in decreasing order of similarity,
+  most redundant first, skipping a merge that would take the token count below `keep` (a merge of W tokens removes
+  W - 1). If tokens are still above `keep`, spatial DPC-KNN clustering finishes the job. `keep` is split over the
+  clustering groups (the static tokens of each segment, the dynamic tokens of each frame) in proportion to their
+  sizes (`per_pair_budget`, at least one cluster each), in place of the uniform 0.5 ratio.
+- The reference clusters a group only if it has more than 14 tokens. That exemption is dropped, since it cannot
+  hold a budget.
+- At least one position of every segment stays dynamic (a merge that would make the last one static is skipped),
+  and a merge that starts a segment's static group is skipped if the groups would outnumber `keep`. So every pair
+  keeps a token, and every group gets a cluster.
+- A static token, and a cluster of static tokens, sits at its position in the segment's first pair (M-RoPE needs a
+  real token's position). The reference puts a segment's static tokens before its dynamic ones in the sequence.
+  A cluster sits at its centre token. Features are means of all members, as in the reference (each static token
+  averages W frames).
+- Pairs with different grids (t, h, w) have no same-position correspondence, so a segment is further split into
+  runs of consecutive pairs with the same grid.
+- DPC-KNN's random density jitter (rand * 1e-6) is replaced by a tie-break on token index (the lower index counts
+  as denser, and wins ties in score), and k is min(7, count). The output is deterministic, and `seed` is unused.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import torch
+import torch.nn.functional as F
+
+from .common import VisualTokens, check_keep, per_pair_budget
+
+TAU = 0.8  # static threshold on a position's mean pairwise cosine across a segment's frames
+SEGMENT_RATIO = 0.25  # temporal_segment_ratio: DPC-KNN clusters per frame in the temporal segmentation
+KNN = 7  # k nearest neighbours of the DPC-KNN density, temporal and spatial
+
+
+def dpc_knn(x: torch.Tensor, num_clusters: int, k: int = KNN) -> torch.Tensor:
+    """Centre (row index) of each of the n rows of x (n, C): DPC-KNN clustering into num_clusters clusters."""
+    n, c = x.shape
+    dist = torch.cdist(x.float(), x.float()) / c**0.5
+    nearest = dist.topk(min(k, n), dim=1, largest=False).values
+    density = torch.exp(-(nearest**2).mean(dim=1))
+    rank = torch.empty(n, dtype=torch.long, device=x.device)
+    rank[torch.argsort(density, descending=True, stable=True)] = torch.arange(n, device=x.device)
+    denser = rank[None, :] < rank[:, None]  # denser[i, j]: token j is denser than token i
+    delta = torch.where(denser, dist, dist.max()).min(dim=1).values
+    centres = torch.argsort(delta * density, descending=True, stable=True)[:num_clusters]
+    owner = centres[dist[:, centres].argmin(dim=1)]
+    owner[centres] = centres
+    return owner
+
+
+def runs(labels: list) -> list[tuple[object, int, int]]:
+    """Maximal runs of equal labels, as (label, start, end) with end exclusive."""
+    out, start = [], 0
+    for i in range(1, len(labels) + 1):
+        if i == len(labels) or labels[i] != labels[start]:
+            out.append((labels[start], start, i))
+            start = i
+    return out
+
+
+def refine_clusters(labels: list[int]) -> list[int]:
+    """PruneVid's refinement of frame clusters into contiguous segments: each cluster keeps its longest run(s) of
+    frames (none if they are single frames); every other run joins the longer neighbouring run (left on ties)."""
+    longest: dict[int, int] = {}
+    for label, start, end in runs(labels):
+        longest[label] = max(longest.get(label, 0), end - start)
+    refined: list = list(labels)
+    for label, start, end in runs(labels):
+        if longest[label] == 1 or end - start < longest[label]:
+            refined[start:end] = [None] * (end - start)
+    i = 0
+    while i < len(refined):
+        if refined[i] is not None:
+            i += 1
+            continue
+        start = i
+        while i < len(refined) and refined[i] is None:
+            i += 1
+        left = right = 0
+        if start > 0:
+            while start - left - 1 >= 0 and refined[start - left - 1] == refined[start - 1]:
+                left += 1
+        if i < len(refined):
+            while i + right < len(refined) and refined[i + right] == refined[i]:
+                right += 1
+        if left == right == 0:  # no neighbours: the whole video is one segment
+            label = 0
+        else:
+            label = refined[start - 1] if left >= right else refined[i]
+        refined[start:i] = [label] * (i - start)
+    return refined
+
+
+def temporal_segments(tokens: VisualTokens) -> list[list[int]]:
+    """Pair indices of each segment: DPC-KNN over the pairs' mean tokens, refined into contiguous runs, then split
+    where the grid changes."""
+    starts, sizes = tokens.pair_starts, tokens.pair_sizes
+    means = torch.stack([tokens.features[s : s + n].float().mean(dim=0) for s, n in zip(starts, sizes)])
+    labels = dpc_knn(means, max(1, int(len(sizes) * SEGMENT_RATIO))).tolist()
+    segments = []
+    for _, start, end in runs(refine_clusters(labels)):
+        grids = [tokens.grids[p] for p in range(start, end)]
+        segments += [list(range(start + a, start + b)) for _, a, b in runs(grids)]
+    return segments
+
+
+def static_similarity(frames: torch.Tensor) -> torch.Tensor:
+    """(L,) mean cosine between the tokens at each position over all pairs of distinct frames; frames: (W, L, D)."""
+    w = frames.shape[0]
+    total = F.normalize(frames.float(), dim=-1).sum(dim=0)
+    return ((total * total).sum(dim=-1) - w) / (w * (w - 1))
+
+
+def segment_frames(tokens: VisualTokens, segment: list[int]) -> torch.Tensor:
+    """(W, L, D) tokens of the W pairs of a segment (same grid)."""
+    starts, sizes = tokens.pair_starts, tokens.pair_sizes
+    return torch.stack([tokens.features[starts[p] : starts[p] + sizes[p]].float() for p in segment])
+
+
+def static_positions(tokens: VisualTokens, segments: list[list[int]], keep: int) -> list[list[int]]:
+    """Static positions of each segment: positions above TAU, merged most similar first while the token count stays
+    at least `keep`, at least one position per segment stays dynamic, and groups do not outnumber `keep`."""
+    sizes = tokens.pair_sizes
+    candidates = []
+    for s, seg in enumerate(segments):
+        if len(seg) > 1:
+            sim = static_similarity(segment_frames(tokens, seg)).tolist()
+            candidates += [(v, s, pos) for pos, v in enumerate(sim) if v > TAU]
+    static: list[list[int]] = [[] for _ in segments]
+    count, groups = sum(sizes), len(sizes)  # tokens, and clustering groups (one per pair, one per static group)
+    for _, s, pos in sorted(candidates, key=lambda c: (-c[0], c[1], c[2])):
+        saved, new_group = len(segments[s]) - 1, int(not static[s])
+        if len(static[s]) + 1 < sizes[segments[s][0]] and count - saved >= keep and groups + new_group <= keep:
+            static[s].append(pos)
+            count, groups = count - saved, groups + new_group
+    return static
+
+
+def compress(tokens: VisualTokens, keep: int, seed: int = 0) -> torch.Tensor:
+    check_keep(tokens.pair_sizes, keep)
+    tokens = replace(tokens, features=tokens.features.float())
+    starts, sizes = tokens.pair_starts, tokens.pair_sizes
+    segments = temporal_segments(tokens)
+    static = static_positions(tokens, segments, keep)
+    # clustering groups: (features (n, D), destination token of each item, member tokens of each item); a static
+    # token is the mean of its position over the segment and sits in the segment's first pair
+    groups = []
+    for seg, positions in zip(segments, static):
+        if positions:
+            feats = segment_frames(tokens, seg)[:, positions].mean(dim=0)
+            members = [[starts[p] + pos for p in seg] for pos in positions]
+            groups.append((feats, [m[0] for m in members], members))
+        is_static = set(positions)
+        for p in seg:
+            dynamic = [starts[p] + pos for pos in range(sizes[p]) if pos not in is_static]
+            groups.append((tokens.features[dynamic].float(), dynamic, [[i] for i in dynamic]))
+    assignment = torch.arange(tokens.features.shape[0])
+    for (feats, destination, members), k in zip(groups, per_pair_budget([len(g[1]) for g in groups], keep)):
+        owner = torch.arange(len(destination)) if k == len(destination) else dpc_knn(feats, k)
+        for item, centre in enumerate(owner.tolist()):
+            assignment[members[item]] = destination[centre]
+    return assignment
