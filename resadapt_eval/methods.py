@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
-from .baselines import divprune, dycoke, flashvid, prunevid, random_drop, tome, vidcom2, visionzip
+from .baselines import divprune, dycoke, fastvid, flashvid, holitom, prunevid, random_drop, tome, vidcom2, visionzip
 from .budget import policies
 
 # Where a method acts on the visual budget.
@@ -117,6 +117,8 @@ register(_compressor("divprune", "DivPrune", "DivPrune", divprune))
 register(_compressor("vidcom2", "VidCom2", "VidCom2", vidcom2))
 register(_compressor("dycoke", "DyCoke", "DyCoke", dycoke))
 register(_compressor("prunevid", "PruneVid", "PruneVid", prunevid))
+register(_compressor("fastvid", "FastVID", "FastVID", fastvid, needs_attention=True))
+register(_compressor("holitom", "HoliTom", "HoliTom", holitom, needs_attention=True))
 register(
     Method(
         "fixed_scale",

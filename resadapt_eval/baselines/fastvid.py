@@ -1,0 +1,168 @@
+"""FastVID (Shen et al., NeurIPS 2025), vision side, on Qwen's merged tokens with pairs as frames.
+
+As the paper states it, FastVID prunes video tokens before the LLM in two steps:
+
+1. Dynamic Temporal Segmentation (DySeg): with t_i the cosine similarity of the global features of
+   frames i and i+1, the video is cut after frame i for each of the c - 1 lowest t_i and for every
+   t_i < tau, so segments are temporally ordered runs of similar frames.
+2. Density Spatiotemporal Pruning (STPrune), per segment: of a frame's retained tokens a fraction
+   1 - d are salient and d contextual.
+   - Attention-based Token Selection (ATS): each frame keeps its salient tokens, those that
+     received the most attention in the vision encoder.
+   - Density-based Token Merging (DTM): anchor frames, every p-th frame counted back from the
+     segment's last, share the segment's contextual budget. An anchor frame's anchor tokens are the
+     density peaks (DPC-kNN: score = local density x distance to the nearest denser token) of its
+     non-salient tokens; every non-salient token of the segment is merged into its most
+     cosine-similar anchor token. Kept tokens keep their positions.
+
+Paper: L. Shen, G. Gong, T. He, Y. Zhang, P. Liu, S. Zhao, G. Ding, "FastVID: Dynamic Density
+Pruning for Fast Video Large Language Models", NeurIPS 2025, arXiv:2503.11187.
+Code: github.com/LunarShen/FastVID, read at commit a40a109: the FastVID block of `Qwen2Model.forward`
+in fastvid_llavaonevision/LLaVA-NeXT/llava/model/language_model/modeling_qwen2.py (the paper's
+method), fastvid_qwen25vl/lmms-eval/lmms_eval/models/qwenvlutils/modeling_qwen2_5_vl.py (the
+authors' Qwen2.5-VL port) and the hyperparameters of fastvid_qwen25vl/scripts/eval.sh:
+c = 8, tau = 0.84 (0.9 for LLaVA-OneVision), d = 0.4, p = 4, density over the 4 nearest neighbours (the token
+itself included).
+As in that port, a frame is one Qwen temporal pair (one step of the merged grid).
+
+Deviations from the reference:
+
+- Budget: the pipeline asks for exactly `keep` tokens. `keep` is split over pairs in proportion to
+  their sizes (`per_pair_budget`, at least one per pair); a pair with budget k has floor(d k)
+  contextual and k - floor(d k) >= 1 salient tokens (the reference: k = int(n R) for every frame).
+  A segment's contextual tokens are dealt evenly over its anchor frames (the remainder to the
+  earliest; the reference floors and drops it), at most the anchor frame's non-salient tokens each;
+  what does not fit becomes extra salient tokens of the segment's other frames, dealt in turn. So
+  exactly `keep` tokens are kept, every pair keeps at least one, and keep == N keeps all.
+- Salience: `received_attention` (attention each merged token received in the last ViT block, mean
+  over heads and queries). The LLaVA-OneVision code uses its SigLIP pooling head's attention, the
+  Qwen2.5-VL port the last ViT block's attention from one mean query (softmax of the mean query
+  instead of the mean of the queries' softmaxes).
+- Frame global feature: the mean of the pair's merged tokens, as in the Qwen2.5-VL port (the
+  LLaVA-OneVision code uses the SigLIP pooling head's output).
+- The Qwen2.5-VL port's second-level split (runs of frames with similarity >= 0.95 keep tokens only
+  in their last frame) is not used: it leaves pairs without any token and its count is not exact.
+  This follows the paper and its LLaVA code, where every frame keeps its salient tokens.
+- DTM merging: a non-salient token joins one anchor, its most similar over all anchor frames of its
+  segment; the reference matches every segment token to one anchor in each anchor frame (a token
+  feeds several anchors). A group's feature is the plain mean of its members (`merge_groups`), not
+  the reference's max(beta, 1 / (n + 1)) weight on the anchor (beta = 0.6).
+- Determinism: equal densities are ordered by token index (the reference adds 1e-6 random noise);
+  top-k ties go to the lower index. With fewer than c - 1 transitions, every transition is a cut.
+- A segment without contextual budget drops its non-salient tokens (as the reference does when
+  int(k d) = 0).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from .common import DROPPED, VisualTokens, per_pair_budget
+
+DYSEG_C = 8  # at least c segments (the c - 1 lowest transitions are cuts)
+DYSEG_TAU = 0.84  # and a cut wherever adjacent frames' cosine is below tau (Qwen2.5-VL setting)
+STPRUNE_D = 0.4  # contextual (DTM) share of a frame's retained tokens
+DTM_P = 4  # anchor frame interval
+DENSITY_K = 4  # neighbours in the kNN density, the token itself included
+
+
+def frame_similarities(tokens: VisualTokens) -> list[float]:
+    """(P - 1) cosine similarities of consecutive pairs' global features (mean merged token)."""
+    means = torch.stack(
+        [tokens.features[s : s + n].float().mean(0) for s, n in zip(tokens.pair_starts, tokens.pair_sizes)]
+    )
+    return F.cosine_similarity(means[:-1], means[1:], dim=-1).tolist()
+
+
+def dynamic_segments(similarity: list[float]) -> list[list[int]]:
+    """DySeg: pair indices per segment, cut after pair i for the c - 1 lowest similarities and all below tau."""
+    lowest = sorted(range(len(similarity)), key=lambda i: (similarity[i], i))[: DYSEG_C - 1]
+    cuts = set(lowest) | {i for i, s in enumerate(similarity) if s < DYSEG_TAU}
+    segments = [[0]]
+    for p in range(1, len(similarity) + 1):
+        if p - 1 in cuts:
+            segments.append([p])
+        else:
+            segments[-1].append(p)
+    return segments
+
+
+def anchor_frames(length: int) -> list[int]:
+    """Positions in a segment of `length` pairs of its anchor frames: every p-th, counted back from the last."""
+    return [j for j in range(length) if (length - 1 - j) % DTM_P == 0]
+
+
+def deal(total: int, room: list[int]) -> list[int]:
+    """`total` tokens dealt one at a time, in order, to the slots with room left; (len(room),) counts."""
+    given = [0] * len(room)
+    while total > 0 and any(g < r for g, r in zip(given, room)):
+        for i, r in enumerate(room):
+            if total > 0 and given[i] < r:
+                given[i] += 1
+                total -= 1
+    return given
+
+
+def stprune_budget(sizes: list[int], budget: list[int]) -> tuple[list[int], list[int]]:
+    """Salient and anchor counts per pair of one segment (sizes, budgets per pair); they sum to sum(budget)."""
+    contextual = [math.floor(STPRUNE_D * k) for k in budget]
+    salient = [k - c for k, c in zip(budget, contextual)]
+    anchors_at = anchor_frames(len(sizes))
+    dealt = deal(sum(contextual), [sizes[j] - salient[j] for j in anchors_at])
+    anchors = [0] * len(sizes)
+    for j, count in zip(anchors_at, dealt):
+        anchors[j] = count
+    extra = deal(sum(contextual) - sum(dealt), [n - s - a for n, s, a in zip(sizes, salient, anchors)])
+    return [s + e for s, e in zip(salient, extra)], anchors
+
+
+def top(scores: torch.Tensor, count: int) -> torch.Tensor:
+    """Indices of the `count` highest scores, ties to the lower index."""
+    return torch.sort(scores, descending=True, stable=True).indices[:count]
+
+
+def density_peaks(feats: torch.Tensor, count: int) -> torch.Tensor:
+    """DPC-kNN: indices of the `count` rows of feats (n, D) with the highest density x distance to a denser row."""
+    n, dim = feats.shape
+    dist = torch.cdist(feats, feats) / math.sqrt(dim)
+    nearest = dist.topk(min(DENSITY_K, n), dim=1, largest=False).values
+    density = torch.exp(-(nearest**2).mean(dim=1))
+    index = torch.arange(n, device=feats.device)
+    # denser[i, j]: row j is denser than row i (equal densities: the lower index is denser)
+    denser = (density[None, :] > density[:, None]) | (
+        (density[None, :] == density[:, None]) & (index[None, :] < index[:, None])
+    )
+    to_denser = torch.where(denser, dist, dist.max()).min(dim=1).values
+    return top(to_denser * density, count)
+
+
+def compress(tokens: VisualTokens, keep: int, seed: int = 0) -> torch.Tensor:
+    if tokens.received_attention is None:
+        raise ValueError("fastvid needs the attention received in the last ViT block")
+    starts, sizes = tokens.pair_starts, tokens.pair_sizes
+    budget = per_pair_budget(sizes, keep)
+    feats = tokens.features.float()
+    device = feats.device
+    unit = F.normalize(feats, dim=-1)
+    attention = tokens.received_attention.to(device).float()
+    assignment = torch.full((feats.shape[0],), DROPPED, dtype=torch.long, device=device)
+    for segment in dynamic_segments(frame_similarities(tokens)):
+        salient, anchor = stprune_budget([sizes[p] for p in segment], [budget[p] for p in segment])
+        rest, anchors = [], []
+        for p, n_salient, n_anchor in zip(segment, salient, anchor):
+            index = torch.arange(starts[p], starts[p] + sizes[p], device=device)
+            is_salient = torch.zeros(sizes[p], dtype=torch.bool, device=device)
+            is_salient[top(attention[index], n_salient)] = True
+            assignment[index[is_salient]] = index[is_salient]
+            others = index[~is_salient]
+            if n_anchor > 0:
+                anchors.append(others[density_peaks(feats[others], n_anchor)])
+            rest.append(others)
+        if anchors:
+            rest, anchors = torch.cat(rest), torch.cat(anchors)
+            assignment[rest] = anchors[(unit[rest] @ unit[anchors].T).argmax(dim=1)]
+            assignment[anchors] = anchors
+    return assignment

@@ -1,0 +1,277 @@
+"""HoliTom (Shao et al., NeurIPS 2025), its outer-LLM stage, on Qwen's merged tokens with pairs as frames.
+
+As the paper states it, HoliTom merges video tokens before the LLM in three steps:
+
+1. Global redundancy-aware temporal segmentation: a token position is static over a window of
+   frames [s, e] when each step's cosine similarity of the position's tokens exceeds tau; merging
+   the window saves (e - s) tokens per static position. Dynamic programming over all frames picks
+   the windows that save the most tokens in total (a frame may stand alone).
+2. Spatio-temporal merging: in each window, a static position's tokens are merged over time into
+   one token; the other (dynamic) tokens stay per frame.
+3. Spatial merging to the budget, at the retention that remains after step 2: each frame's dynamic
+   tokens keep those that received the most attention in the vision encoder (VisionZip's dominant
+   tokens; the released setting has no contextual share, D = 0); a window's static tokens are
+   clustered by DPC-kNN (centres: highest local density x distance to a denser token, over the
+   k = min(7, centres) nearest neighbours), each merged into its nearest centre.
+
+Paper: K. Shao, K. Tao, C. Qin, H. You, Y. Sui, H. Wang, "HoliTom: Holistic Token Merging for Fast
+Video Large Language Models", NeurIPS 2025, arXiv:2505.21334.
+Code: github.com/cokeshao/HoliTom, read at commit e9b2972: holitom/llava_arch.py
+(`select_static_windows`, `get_static_dynamic_features`, `holitom`, `merge_tokens_by_attention_density`,
+`merge_tokens_by_density`, `cluster_dpc_knn`, `merge_tokens_by_clustering`), the attention of
+LLaVA-NeXT/llava/model/multimodal_encoder/siglip_encoder.py (last layer, mean over heads and
+queries) and scripts/eval_ov-7b_holitom.sh (tau = 0.8, D = 0, K = 7).
+
+Deviations from the reference:
+
+- Only the outer-LLM stage: HoliTom's inner-LLM merging (visual tokens merged by similarity at LLM
+  layer HOLITOM_k) acts inside the LLM and is not part of this compressor. Exactly `keep` tokens
+  enter the LLM, and that is the R recorded.
+- Budget: the reference keeps ceil(r' n) of each frame's dynamic tokens and round(r' m) of a
+  window's m static tokens, r' = R N / (N - saved). Here `keep` is apportioned over these sets in
+  proportion to their sizes (largest remainder), at least one token to each pair's dynamic set, so
+  exactly `keep` tokens are kept.
+- When step 2 alone leaves fewer than `keep` tokens (the reference then caps r' at 1 and keeps
+  fewer), the least redundant static positions (lowest similarity along the window) return to the
+  dynamic set until at least `keep` remain; so keep == N keeps every token.
+- At least one token per pair: a window whose static positions cover some pair returns its least
+  redundant static position to the dynamic set (in the reference such frames keep no token).
+- Pairs of different grids (a plan resized them) have no common positions: each token of the
+  earlier pair is followed to its most cosine-similar token of the later pair, a token of the later
+  pair taking only its most similar follower (ties to the lower index); equal grids compare
+  positions as in the reference.
+- A merged group's feature is the plain mean of its members (`merge_groups`); as every static
+  position of a window has one token per frame, that is the reference's mean of the temporal means,
+  without its beta = 0.6 weight on the cluster centre. A group sits at its centre's token in the
+  window's first pair (the reference puts static tokens with the window's first frame).
+- Salience: `received_attention`, the same quantity as the reference (last ViT block, mean over
+  heads and queries), per merged token (mean over its 4 patches) instead of 2x2-pooled.
+- tau = 0.8 for every R (the released scripts use 0.8, and 0.65 at R = 0.10); windows unbounded (the
+  reference's default MAX_WINDOW_SIZE 1024).
+- Determinism: equal densities are ordered by token index (the reference adds 1e-6 random noise);
+  top-k ties go to the lower index.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from .common import DROPPED, VisualTokens, check_keep
+
+TAU = 0.8  # a position is static across a step when its tokens' cosine exceeds tau
+DENSITY_K = 7  # DPC-kNN neighbours, at most the number of centres (the token itself included)
+
+
+@dataclass
+class Window:
+    """Pairs first..last merged together; chains (c, L): global indices of each static position's
+    tokens, one per pair; strength (c,): the lowest similarity along each chain."""
+
+    first: int
+    last: int
+    chains: torch.Tensor
+    strength: torch.Tensor
+
+
+def step_matches(tokens: VisualTokens, unit: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """For each step p -> p + 1: (n_p,) index of each token's follower in pair p + 1 and (n_p,) their cosine,
+    -inf where a token has no follower."""
+    starts, sizes, steps = tokens.pair_starts, tokens.pair_sizes, []
+    for p in range(len(sizes) - 1):
+        a = unit[starts[p] : starts[p] + sizes[p]]
+        b = unit[starts[p + 1] : starts[p + 1] + sizes[p + 1]]
+        if tokens.grids[p] == tokens.grids[p + 1]:
+            steps.append((torch.arange(sizes[p], device=unit.device), (a * b).sum(dim=-1)))
+            continue
+        similarity, follower = (a @ b.T).max(dim=1)
+        targets, taken, unmatched = follower.tolist(), set(), []
+        for i in torch.sort(similarity, descending=True, stable=True).indices.tolist():
+            if targets[i] in taken:
+                unmatched.append(i)
+            taken.add(targets[i])
+        similarity[unmatched] = -math.inf
+        steps.append((follower, similarity))
+    return steps
+
+
+def follow(steps, first: int, last: int, size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Chains from each of pair `first`'s `size` tokens to pair `last` > first: (size, L) local indices,
+    (size,) strength."""
+    device = steps[first][1].device
+    position = torch.arange(size, device=device)
+    path, strength = [position], torch.full((size,), math.inf, device=device)
+    for p in range(first, last):
+        follower, similarity = steps[p]
+        strength = torch.minimum(strength, similarity[position])
+        position = follower[position]
+        path.append(position)
+    return torch.stack(path, dim=1), strength
+
+
+def redundancy_gains(steps, sizes: list[int]) -> list[list[int]]:
+    """gain[s][e]: tokens saved by merging window [s, e] over time, (e - s) x its static positions."""
+    num_pairs = len(sizes)
+    gain = [[0] * num_pairs for _ in range(num_pairs)]
+    for s in range(num_pairs - 1):
+        device = steps[s][1].device
+        position, strength = torch.arange(sizes[s], device=device), torch.full((sizes[s],), math.inf, device=device)
+        for e in range(s + 1, num_pairs):
+            follower, similarity = steps[e - 1]
+            strength = torch.minimum(strength, similarity[position])
+            position = follower[position]
+            static = int((strength > TAU).sum())
+            if static == 0:
+                break
+            gain[s][e] = (e - s) * static
+    return gain
+
+
+def temporal_segments(gain: list[list[int]]) -> list[tuple[int, int]]:
+    """Windows (first, last) that save the most tokens in total, by dynamic programming over the pairs."""
+    num_pairs = len(gain)
+    best, start = [0] * num_pairs, [0] * num_pairs
+    for i in range(num_pairs):
+        best[i], start[i] = (best[i - 1] if i > 0 else 0), i
+        for j in range(i - 1, -1, -1):  # window [j, i], shortest first; a longer one must save strictly more
+            value = (best[j - 1] if j > 0 else 0) + gain[j][i]
+            if value > best[i]:
+                best[i], start[i] = value, j
+    windows, i = [], num_pairs - 1
+    while i >= 0:
+        windows.append((start[i], i))
+        i = start[i] - 1
+    return windows[::-1]
+
+
+def static_chains(tokens: VisualTokens, steps, first: int, last: int) -> Window:
+    """The window's static positions (strength > tau; none in a one-pair window) as chains of global indices."""
+    starts, sizes = tokens.pair_starts, tokens.pair_sizes
+    if last == first:
+        device = tokens.features.device
+        return Window(first, last, torch.zeros((0, 1), dtype=torch.long, device=device), torch.zeros(0, device=device))
+    path, strength = follow(steps, first, last, sizes[first])
+    static = strength > TAU
+    offsets = torch.tensor(starts[first : last + 1], device=path.device)
+    return Window(first, last, path[static] + offsets, strength[static])
+
+
+def release(window: Window, rows: list[int]) -> None:
+    """Return these static chains of the window to the dynamic set (their tokens stay per pair)."""
+    keep = torch.ones(len(window.strength), dtype=torch.bool, device=window.strength.device)
+    keep[rows] = False
+    window.chains, window.strength = window.chains[keep], window.strength[keep]
+
+
+def weakest_first(windows: list[Window]) -> list[tuple[float, int, int]]:
+    """(strength, window, row) of every static chain, least redundant first (ties: earlier window, lower row)."""
+    return sorted((s, k, row) for k, w in enumerate(windows) for row, s in enumerate(w.strength.tolist()))
+
+
+def keep_a_dynamic_token(window: Window, sizes: list[int]) -> None:
+    """Release the window's weakest chains until each of its pairs has a token outside the chains."""
+    excess = len(window.strength) - (min(sizes[window.first : window.last + 1]) - 1)
+    if excess > 0:
+        release(window, [row for _, _, row in weakest_first([window])[:excess]])
+
+
+def release_until(windows: list[Window], num_tokens: int, keep: int) -> None:
+    """Release the globally least redundant chains until temporal merging leaves at least `keep` tokens."""
+    left = num_tokens - sum((w.last - w.first) * len(w.strength) for w in windows)
+    rows: list[list[int]] = [[] for _ in windows]
+    for _, k, row in weakest_first(windows):
+        if left >= keep:
+            break
+        rows[k].append(row)
+        left += windows[k].last - windows[k].first  # a chain of L tokens had become one
+    for w, r in zip(windows, rows):
+        release(w, r)
+
+
+def apportion(total: int, sizes: list[int], floors: list[int]) -> list[int]:
+    """Split `total` in proportion to sizes (largest remainder), each share within [floor, size]."""
+    whole = sum(sizes)
+    quota = [total * s / whole for s in sizes]
+    share = [min(s, max(f, int(q))) for s, f, q in zip(sizes, floors, quota)]
+    order = sorted(range(len(sizes)), key=lambda i: quota[i] - int(quota[i]), reverse=True)
+    given = sum(share)
+    while given < total:
+        for i in order:
+            if share[i] < sizes[i] and given < total:
+                share[i], given = share[i] + 1, given + 1
+    while given > total:
+        for i in reversed(order):
+            if share[i] > floors[i] and given > total:
+                share[i], given = share[i] - 1, given - 1
+    return share
+
+
+def top(scores: torch.Tensor, count: int) -> torch.Tensor:
+    """Indices of the `count` highest scores, ties to the lower index."""
+    return torch.sort(scores, descending=True, stable=True).indices[:count]
+
+
+def density_peaks(feats: torch.Tensor, count: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """DPC-kNN over feats (m, D): `count` centre rows and the (m, m) distance matrix."""
+    m, dim = feats.shape
+    dist = torch.cdist(feats, feats) / math.sqrt(dim)
+    nearest = dist.topk(min(DENSITY_K, count), dim=1, largest=False).values
+    density = torch.exp(-(nearest**2).mean(dim=1))
+    index = torch.arange(m, device=feats.device)
+    # denser[i, j]: row j is denser than row i (equal densities: the lower index is denser)
+    denser = (density[None, :] > density[:, None]) | (
+        (density[None, :] == density[:, None]) & (index[None, :] < index[:, None])
+    )
+    to_denser = torch.where(denser, dist, dist.max()).min(dim=1).values
+    return top(to_denser * density, count), dist
+
+
+def merge_static(window: Window, feats: torch.Tensor, count: int, assignment: torch.Tensor) -> None:
+    """Cluster the window's static chains (features: their temporal mean) to `count` centres; every chain
+    joins its nearest centre, whose first-pair token is the destination. count == 0 drops them all."""
+    if count == 0:
+        assignment[window.chains.flatten()] = DROPPED
+        return
+    means = feats[window.chains].mean(dim=1)
+    centres, dist = density_peaks(means, count)
+    nearest = centres[dist[:, centres].argmin(dim=1)]
+    nearest[centres] = centres
+    assignment[window.chains] = window.chains[nearest, :1]
+
+
+def compress(tokens: VisualTokens, keep: int, seed: int = 0) -> torch.Tensor:
+    if tokens.received_attention is None:
+        raise ValueError("holitom needs the attention received in the last ViT block")
+    check_keep(tokens.pair_sizes, keep)
+    starts, sizes = tokens.pair_starts, tokens.pair_sizes
+    feats = tokens.features.float()
+    attention = tokens.received_attention.to(feats.device).float()
+    steps = step_matches(tokens, F.normalize(feats, dim=-1))
+
+    # 1. global redundancy-aware temporal segmentation, 2. static chains of each window
+    windows = [static_chains(tokens, steps, s, e) for s, e in temporal_segments(redundancy_gains(steps, sizes))]
+    for w in windows:
+        keep_a_dynamic_token(w, sizes)
+    release_until(windows, feats.shape[0], keep)
+
+    # 3. spatial merging: keep apportioned over each pair's dynamic tokens and each window's static chains
+    dynamic = []
+    for w in windows:
+        for column, p in enumerate(range(w.first, w.last + 1)):
+            index = torch.arange(starts[p], starts[p] + sizes[p], device=feats.device)
+            dynamic.append(index[~torch.isin(index, w.chains[:, column])])
+    share = apportion(
+        keep, [len(d) for d in dynamic] + [len(w.strength) for w in windows], [1] * len(dynamic) + [0] * len(windows)
+    )
+
+    assignment = torch.full((feats.shape[0],), DROPPED, dtype=torch.long, device=feats.device)
+    for index, count in zip(dynamic, share):
+        chosen = index[top(attention[index], count)]
+        assignment[chosen] = chosen
+    for w, count in zip(windows, share[len(dynamic) :]):
+        if len(w.strength):
+            merge_static(w, feats, count, assignment)
+    return assignment
