@@ -67,7 +67,8 @@ def _token_ids(tok) -> dict:
 
 
 def build_qwen25vl(tok, seed: int = 0):
-    """Tiny random Qwen2.5-VL (text hidden 64, 2 heads of 32, 2 layers; vision depth 2) and processor."""
+    """Tiny random Qwen2.5-VL (text hidden 64, 2 heads of 32, 12 layers, deep enough for pruning inside
+    the LLM at R=0.1; vision depth 2) and processor."""
     from transformers import (
         Qwen2_5_VLConfig,
         Qwen2_5_VLForConditionalGeneration,
@@ -82,7 +83,7 @@ def build_qwen25vl(tok, seed: int = 0):
             vocab_size=vocab_size,
             hidden_size=64,
             intermediate_size=128,
-            num_hidden_layers=2,
+            num_hidden_layers=12,
             num_attention_heads=2,
             num_key_value_heads=1,
             max_position_embeddings=8192,
@@ -119,7 +120,7 @@ def build_qwen25vl(tok, seed: int = 0):
 
 
 def build_qwen3vl(tok, seed: int = 0):
-    """Tiny random Qwen3-VL (text hidden 64, 2 heads of 32, 2 layers; vision depth 2 with deepstack) and processor."""
+    """Tiny random Qwen3-VL (text hidden 64, 2 heads of 32, 12 layers; vision depth 2 with deepstack) and processor."""
     from transformers import (
         Qwen2VLImageProcessor,
         Qwen3VLConfig,
@@ -133,7 +134,7 @@ def build_qwen3vl(tok, seed: int = 0):
             vocab_size=len(tok),
             hidden_size=64,
             intermediate_size=128,
-            num_hidden_layers=2,
+            num_hidden_layers=12,
             num_attention_heads=2,
             num_key_value_heads=1,
             head_dim=32,
@@ -226,7 +227,7 @@ SMOKE_COLOURS = {"red": (220, 40, 40), "green": (40, 200, 60), "blue": (40, 80, 
 SMOKE_SHAPES = [(320, 240), (240, 320), (400, 400), (480, 270)]
 SMOKE_DIR = "smoke_videoqa"
 COMPLETE_MARKER = ".complete"  # written last, so a half-written folder is rewritten
-FIXTURES_VERSION = 4  # bump when the fixtures change, so old folders are rewritten
+FIXTURES_VERSION = 5  # bump when the fixtures change, so old folders are rewritten
 
 
 def write_video(path: Path, frames: np.ndarray, fps: float, lossless: bool = False) -> None:

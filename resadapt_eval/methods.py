@@ -14,7 +14,20 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
-from .baselines import divprune, dycoke, fastvid, flashvid, holitom, prunevid, random_drop, tome, vidcom2, visionzip
+from .baselines import (
+    divprune,
+    dycoke,
+    fastv,
+    fastvid,
+    flashvid,
+    holitom,
+    prunevid,
+    pyramiddrop,
+    random_drop,
+    tome,
+    vidcom2,
+    visionzip,
+)
 from .budget import policies
 
 # Where a method acts on the visual budget.
@@ -42,7 +55,9 @@ class Method:
     needs_attention: its compressor reads the attention received in the last ViT block;
     vllm: the vLLM engine can run it; images: it serves image requests.
     policy: per-frame scales `(num_frames, base_hw, grid, spec) -> (T,)` for methods that do not
-    use the Allocator; compress: `(VisualTokens, keep, seed) -> assignment` for AFTER_MERGER methods.
+    use the Allocator; compress: `(VisualTokens, keep, seed) -> assignment` for AFTER_MERGER methods;
+    prune: `(num_layers, visual, retention, layers, first_layer) -> [Stage]` for INSIDE_LLM methods
+    (`baselines/inside_llm.py`: retention is layer-averaged).
     """
 
     name: str
@@ -56,6 +71,7 @@ class Method:
     images: bool = False
     policy: Callable | None = None
     compress: Callable | None = None
+    prune: Callable | None = None
     aliases: tuple[str, ...] = ()
 
     def __post_init__(self):
@@ -65,6 +81,8 @@ class Method:
             raise ValueError(f"{self.name}: retention must be one of {RETENTION_RULES}, got {self.retention!r}")
         if (self.compress is not None) != (self.stage == AFTER_MERGER):
             raise ValueError(f"{self.name}: a compressor is what an {AFTER_MERGER} method runs, and only it")
+        if (self.prune is not None) != (self.stage == INSIDE_LLM):
+            raise ValueError(f"{self.name}: a pruning schedule is what an {INSIDE_LLM} method runs, and only it")
         if (self.policy is None) != self.needs_allocator:
             raise ValueError(f"{self.name}: give a scale policy, or take the scales from the Allocator")
 
@@ -104,6 +122,12 @@ def _compressor(name: str, display_name: str, class_stem: str, module, needs_att
     )
 
 
+def _pruner(name: str, display_name: str, class_stem: str, module) -> Method:
+    return Method(
+        name, display_name, class_stem, INSIDE_LLM, REQUIRED_RETENTION, prune=module.stages, policy=policies.vanilla
+    )
+
+
 register(
     Method(
         "vanilla", "Vanilla", "Vanilla", BEFORE_ENCODER, NO_RETENTION, policy=policies.vanilla, vllm=True, images=True
@@ -119,6 +143,8 @@ register(_compressor("dycoke", "DyCoke", "DyCoke", dycoke))
 register(_compressor("prunevid", "PruneVid", "PruneVid", prunevid))
 register(_compressor("fastvid", "FastVID", "FastVID", fastvid, needs_attention=True))
 register(_compressor("holitom", "HoliTom", "HoliTom", holitom, needs_attention=True))
+register(_pruner("fastv", "FastV", "FastV", fastv))
+register(_pruner("pyramiddrop", "PyramidDrop", "PyramidDrop", pyramiddrop))
 register(
     Method(
         "fixed_scale",

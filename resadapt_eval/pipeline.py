@@ -24,7 +24,7 @@ from .budget.planner import Planner
 from .budget.policies import BudgetSpec
 from .budget.selection import OPERATORS
 from .compute.counting import CountedCall
-from .methods import METHODS, NO_RETENTION, REQUIRED_RETENTION, get_method
+from .methods import BEFORE_ENCODER, INSIDE_LLM, METHODS, NO_RETENTION, REQUIRED_RETENTION, get_method
 from .record import SampleRecord, build_record
 from .video import DecodedVideo, decode_video, read_image
 
@@ -34,7 +34,8 @@ class VideoPipelineConfig:
     """Per-run settings. min_pixels/max_pixels bound one frame's base (vanilla) area in pixels;
     strict: raise a failed sample's exception instead of recording it; num_threads: torch's
     intra-op threads for this process (None: torch's default for one process, the machine's CPUs
-    divided among the processes when several run, see `apply_num_threads`)."""
+    divided among the processes when several run, see `apply_num_threads`); prune_layers: the
+    decoder layers where an inside-the-LLM method prunes, comma-separated (None: the method's own)."""
 
     method: str = "vanilla"
     max_num_frames: int = 32
@@ -52,9 +53,17 @@ class VideoPipelineConfig:
     score_threshold: float | None = None
     strict: bool = False
     num_threads: int | None = None
+    prune_layers: str | None = None
 
     def __post_init__(self):
         method = get_method(self.method)
+        if self.prune_layers is not None and method.stage != INSIDE_LLM:
+            raise ValueError(f"prune_layers= is only used by methods that prune inside the LLM, not {self.method!r}")
+        if self.prune_layers is not None:
+            try:
+                self.pruning_layers
+            except ValueError:
+                raise ValueError(f"prune_layers must be comma-separated layer indices, got {self.prune_layers!r}")
         if self.operator not in OPERATORS:
             raise ValueError(f"operator must be one of {OPERATORS}, got {self.operator!r}")
         if self.operator != "resize" and not method.needs_allocator:
@@ -88,6 +97,13 @@ class VideoPipelineConfig:
             raise ValueError(f"allocator_quantile must be in (0, 1), got {self.allocator_quantile}")
         if self.min_pixels is not None and self.max_pixels is not None and self.min_pixels > self.max_pixels:
             raise ValueError(f"min_pixels={self.min_pixels} exceeds max_pixels={self.max_pixels}")
+
+    @property
+    def pruning_layers(self) -> list[int] | None:
+        """`prune_layers` as decoder layer indices."""
+        if self.prune_layers is None:
+            return None
+        return [int(v) for v in str(self.prune_layers).replace(";", ",").split(",") if v.strip()]
 
     def apply_num_threads(self, processes: int) -> int:
         """Set torch's intra-op threads for this process and return them: `num_threads` if given;
@@ -185,7 +201,7 @@ class VideoPipeline:
 
     def __init__(self, backbone: Backbone, config: VideoPipelineConfig):
         self.backbone, self.config, self.method = backbone, config, get_method(config.method)
-        if self.method.compress is not None and not backbone.compresses_tokens:
+        if self.method.stage != BEFORE_ENCODER and not backbone.compresses_tokens:
             raise ValueError(
                 f"method={config.method} compresses visual tokens inside the model, which {type(backbone).__name__} "
                 "does not expose: run it on the HF path"
@@ -342,7 +358,12 @@ class VideoPipeline:
             (video,), (plan,) = planned.items, planned.plans
             pairs = self.layout.resized_pairs(video, plan)
             resize_s = time.perf_counter() - t0
-            if self.method.compress is None:
+            if self.method.stage == INSIDE_LLM:
+                payload, visual = self.backbone.build_inputs(request.prompt, video, plan, pairs), plan.visual_tokens
+                payload = self.backbone.build_pruned_inputs(
+                    payload, self.method.prune, self.config.budget.retention, self.config.pruning_layers
+                )
+            elif self.method.compress is None:
                 payload, visual = self.backbone.build_inputs(request.prompt, video, plan, pairs), plan.visual_tokens
             else:
                 timer = self.backbone.vision_timer

@@ -6,7 +6,7 @@ from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING
 
 from .compute.flops import dims_from_config, sample_flops
-from .methods import get_method
+from .methods import BEFORE_ENCODER, get_method
 
 if TYPE_CHECKING:
     from .backbones.layout import QwenLayout
@@ -18,8 +18,11 @@ class SampleRecord:
     """What one sample spent; built once by the pipeline from its stage results.
 
     scales: per-frame scale s_t; grids: (t, h, w) merged-token grid per pair; visual_tokens: tokens
-    that entered the LLM; reference_tokens: the vanilla plan's tokens for the same frames;
-    achieved_retention = visual_tokens / reference_tokens; raw_scales: an Allocator's scales before
+    that entered the LLM; layer_visual_tokens: those in each decoder layer, for a method that prunes
+    inside the LLM (None otherwise); layer_averaged_tokens: their mean over layers (visual_tokens
+    for every other method); reference_tokens: the vanilla plan's tokens for the same frames;
+    achieved_retention = layer_averaged_tokens / reference_tokens (for every method but those
+    pruning inside the LLM, visual_tokens / reference_tokens); raw_scales: an Allocator's scales before
     projection to the target R; merged_sizes: for token compressors, how many original tokens each
     kept token stands for (sums to the vanilla count for merging methods). Frame selection:
     candidates (frames scored), frame_indices (the kept ones), reference_tokens (the candidates'
@@ -55,6 +58,8 @@ class SampleRecord:
     pair_sizes: list[list[int]] = field(default_factory=list)
     grids: list[list[int]] = field(default_factory=list)
     visual_tokens: int = 0
+    layer_visual_tokens: list[int] | None = None
+    layer_averaged_tokens: float | None = None
     reference_tokens: int = 0
     achieved_retention: float | None = None
     target_retention: float | None = None
@@ -140,7 +145,10 @@ def build_record(
         record.preprocess_s += built.seconds
     if generated is not None:
         record.visual_tokens = generated.visual_tokens
-        record.achieved_retention = record.visual_tokens / record.reference_tokens
+        layers = generated.engine.layer_visual_tokens
+        record.layer_visual_tokens = list(layers) if layers is not None else None
+        record.layer_averaged_tokens = sum(layers) / len(layers) if layers is not None else record.visual_tokens
+        record.achieved_retention = record.layer_averaged_tokens / record.reference_tokens
         # full-resolution frames: a video frame is half a pair at the base size, an image a whole one
         frame_tokens = [
             layout.grid.tokens(*p.base_hw) / (1 if decoded.images else layout.grid.temporal_patch)
@@ -155,14 +163,20 @@ def build_record(
         if engine.vision_s is not None:
             record.vision_s = engine.vision_s + built.vision_s
         grids = [g for p in planned.plans for g in p.grids]
+        method = get_method(config.method)
+        prompt_tokens = record.input_tokens
+        if layers is not None:  # each decoder layer's prompt: the text and the visual tokens it kept
+            prompt_tokens = [record.input_tokens - record.visual_tokens + n for n in layers]
         flops = sample_flops(
             dims_from_config(layout.config),
-            get_method(config.method),
+            method,
             grids,
             config.budget.retention,
-            record.input_tokens,
+            prompt_tokens,
             record.output_tokens,
-            compressor=built.compressor_flops if built.merged_sizes is not None else None,
+            compressor=built.compressor_flops + generated.engine.method_flops
+            if method.stage != BEFORE_ENCODER
+            else None,
             allocator=scores.flops,
         )
         record.vision_flops, record.vision_attention_flops = flops.vision, flops.vision_attention

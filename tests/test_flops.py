@@ -10,7 +10,7 @@ from resadapt_eval.backbones.qwen import ADAPTERS
 from resadapt_eval.budget.policies import BudgetSpec
 from resadapt_eval.cli import main
 from resadapt_eval.compute.counting import flop_counter
-from resadapt_eval.compute.flops import dims_from_config, load_dims, method_flops, row_flops, segments
+from resadapt_eval.compute.flops import dims_from_config, load_dims, method_flops, ranking_flops, row_flops, segments
 from resadapt_eval.manifest import run_summary, sample_totals
 from resadapt_eval.methods import get_method
 from resadapt_eval.pipeline import Request, VideoPipeline, VideoPipelineConfig
@@ -46,7 +46,10 @@ COUNTED = [
     ("visionzip", 0.25),
     ("flashvid", 0.25),
     ("resadapt", 0.25),
+    ("fastv", 0.25),
+    ("pyramiddrop", 0.25),
 ]
+PRUNE_LAYERS = {"fastv": "1", "pyramiddrop": "1,2,3"}  # early enough for R=0.25 on the 12-layer fixtures
 
 
 @pytest.fixture(scope="module")
@@ -64,7 +67,11 @@ def test_record_flops_equal_flop_counter_mode(
     adapter = eager_adapters[backbone]
     allocator = tiny_allocator if method == "resadapt" else None
     config = VideoPipelineConfig(
-        method=method, max_num_frames=8, budget=BudgetSpec(retention=retention), allocator=allocator
+        method=method,
+        max_num_frames=8,
+        budget=BudgetSpec(retention=retention),
+        allocator=allocator,
+        prune_layers=PRUNE_LAYERS.get(method),
     )
     pipeline = VideoPipeline(adapter, config)
     request = video_request(adapter, fixtures_dir)
@@ -80,7 +87,7 @@ def test_record_flops_equal_flop_counter_mode(
     assert sum(vision.values()) == record.vision_flops + record.vision_attention_flops
     parts = ("vision", "vision_attention", "llm_prefill", "llm_attention", "decode", "method", "allocator")
     assert record.total_flops == sum(getattr(record, f"{p}_flops") for p in parts)
-    assert (record.method_flops > 0) == (method in ("tome", "visionzip", "flashvid"))
+    assert (record.method_flops > 0) == (method in ("tome", "visionzip", "flashvid", "fastv", "pyramiddrop"))
     assert (record.allocator_flops > 0) == (method == "resadapt")
     summary = run_summary(sample_totals([record]))
     assert summary["total_tflops"] == record.total_flops / 1e12
@@ -218,3 +225,17 @@ def test_flops_command_counts_the_allocator(capsys, tiny_allocator):
         vanilla, _ = row_flops(load_dims("qwen25vl-7b"), "vanilla", frames, SOURCE_HW)
         expected = allocator.flops(frames, 16) / vanilla.linear
         assert float(ours["alloc_x_van"]) == pytest.approx(expected, rel=0.01) and float(fixed["alloc_x_van"]) == 0
+
+
+@pytest.mark.parametrize("method", ["fastv", "pyramiddrop"])
+def test_ranking_inside_the_llm_from_configs_equals_the_counted_one(eager_adapters, fixtures_dir, method):
+    """`ranking_flops` (what `row_flops` adds for FastV / PyramidDrop) equals what a run counted."""
+    adapter = eager_adapters["qwen3vl"]
+    config = VideoPipelineConfig(
+        method=method, max_num_frames=8, budget=BudgetSpec(retention=0.25), prune_layers=PRUNE_LAYERS[method]
+    )
+    _, record = VideoPipeline(adapter, config).run(video_request(adapter, fixtures_dir))
+    text = dims_from_config(adapter.model.config).text
+    prompts = [record.input_tokens - record.visual_tokens + n for n in record.layer_visual_tokens]
+    stages = [int(layer) for layer in PRUNE_LAYERS[method].split(",")]
+    assert record.method_flops == sum(ranking_flops(text, prompts[s - 1]) for s in stages)

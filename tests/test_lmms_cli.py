@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from resadapt_eval.methods import AFTER_MERGER, METHODS
+from resadapt_eval.methods import AFTER_MERGER, INSIDE_LLM, METHODS
 
 from .conftest import REPO
 
@@ -208,22 +208,25 @@ def test_resadapt_with_the_untrained_allocator_runs_within_budget(fixtures_dir, 
         assert min(r["allocator_text_s"], r["allocator_visual_s"], r["allocator_predict_s"], r["scale_apply_s"]) > 0
 
 
-COMPRESSORS = [name for name, method in METHODS.items() if method.stage == AFTER_MERGER]
+REDUCERS = [name for name, method in METHODS.items() if method.stage in (AFTER_MERGER, INSIDE_LLM)]
 
 
-# Every compressor through the CLI at R=0.25 on one backbone and R=0.1 on the other (the other two
-# combinations run in process through the same build path: tests/test_baselines.py).
+# Every token-reducing method through the CLI at R=0.25 on one backbone and R=0.1 on the other (the
+# other two combinations run in process through the same code: test_baselines.py, test_inside_llm.py).
 @pytest.mark.parametrize(
     "method,backbone,retention",
     [
         (m, b, r)
-        for i, m in enumerate(COMPRESSORS)
+        for i, m in enumerate(REDUCERS)
         for b, r in zip(("qwen25vl", "qwen3vl")[:: 1 - 2 * (i % 2)], (0.25, 0.1))
     ],
 )
-def test_token_compressors_run_through_the_cli_at_exact_budgets(fixtures_dir, tmp_path, method, backbone, retention):
+def test_token_reducers_run_through_the_cli_at_exact_budgets(fixtures_dir, tmp_path, method, backbone, retention):
     # The fixed-method names (e.g. tome_qwen3vl) share the default prompt with every other method.
     model_args = dict(pretrained=fixtures_dir / backbone, retention=retention, max_num_frames=8, device="cpu")
+    inside = METHODS[method].stage == INSIDE_LLM
+    if inside:  # stage layers early enough for R=0.1 on the 12-layer fixtures
+        model_args["prune_layers"] = "1" if method == "fastv" else "1;2;3"
     proc = run_lmms_eval(f"{method}_{backbone}", model_args, tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     records = sidecar_records(tmp_path)
@@ -231,8 +234,11 @@ def test_token_compressors_run_through_the_cli_at_exact_budgets(fixtures_dir, tm
     for r in records:
         assert r["error"] is None and r["method"] == method
         assert retention - 0.01 <= r["achieved_retention"] <= retention
-        # the most tokens within R
-        assert r["visual_tokens"] == len(r["merged_sizes"]) == int(r["reference_tokens"] * retention + 1e-9)
+        if inside:  # every visual token enters the LLM; R is their layer average
+            assert r["visual_tokens"] == r["reference_tokens"] == r["layer_visual_tokens"][0]
+            assert r["achieved_retention"] == sum(r["layer_visual_tokens"]) / 12 / r["reference_tokens"]
+        else:  # the most tokens within R
+            assert r["visual_tokens"] == len(r["merged_sizes"]) == int(r["reference_tokens"] * retention + 1e-9)
 
 
 def test_frame_selection_runs_through_the_cli_with_the_frame_budget(fixtures_dir, tmp_path):

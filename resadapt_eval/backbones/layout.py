@@ -133,7 +133,9 @@ class EngineOutput:
     """One request answered by an engine: text, the engine's own prompt token ids, generated
     tokens; first_token_s: seconds from the engine starting it to its first token (vision tower
     and prefill); per_token_s: seconds per later token; vision_s: the vision tower's seconds
-    (None where the engine does not expose its tower); peak_memory_mb (`profile.clock`)."""
+    (None where the engine does not expose its tower); peak_memory_mb (`profile.clock`);
+    layer_visual_tokens: visual tokens in each decoder layer, for a method that prunes inside the
+    LLM (None otherwise), and method_flops: the FLOPs its ranking ran."""
 
     text: str
     prompt_ids: list[int]
@@ -142,6 +144,8 @@ class EngineOutput:
     per_token_s: float | None = None
     vision_s: float | None = None
     peak_memory_mb: float | None = None
+    layer_visual_tokens: list[int] | None = None
+    method_flops: int = 0
 
 
 class Backbone(Protocol):

@@ -10,6 +10,7 @@ merged grid.
 from __future__ import annotations
 
 from contextlib import nullcontext
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -18,12 +19,21 @@ from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import apply_rotary_pos_
 from transformers.models.qwen3_vl.modeling_qwen3_vl import apply_rotary_pos_emb_vision as qwen3_vision_rotary
 from transformers.vision_utils import get_vision_window_index
 
+from ..baselines.inside_llm import LayerPruner
 from ..budget.plan import ResizePlan
 from ..profile.clock import FirstLogits, ModuleTimer, Stopwatch, peak_memory_mb, reset_peak_memory
 from ..video import DecodedVideo
 from .layout import IMAGE_PAD, VIDEO_TOKEN_TYPE, EngineOutput, Qwen3VLLayout, Qwen25VLLayout, QwenLayout
 from .mrope import VisionRun, qwen25_mrope_positions
 from .vision_attention import last_block_input, received_attention
+
+
+@dataclass(frozen=True)
+class PrunedInputs:
+    """Model inputs and the pruner `generate_batch` attaches while generating them."""
+
+    inputs: dict
+    pruner: LayerPruner
 
 
 class QwenVideoAdapter:
@@ -194,6 +204,16 @@ class QwenVideoAdapter:
         )
         return inputs, sizes
 
+    # ------------------------------------------------------------------ pruning inside the LLM
+    def build_pruned_inputs(self, inputs: dict, schedule, retention: float, layers: list[int] | None) -> PrunedInputs:
+        """`inputs` (from `build_inputs`) with a `LayerPruner` whose stages `schedule` solves for
+        the layer-averaged `retention` on this LLM (stages after Qwen3-VL's deepstack layers)."""
+        language_model = self.model.model.language_model
+        visual = torch.nonzero(inputs["mm_token_type_ids"][0] == VIDEO_TOKEN_TYPE).flatten()
+        first_layer = len(getattr(self.model.config.vision_config, "deepstack_visual_indexes", None) or ())
+        stages = schedule(len(language_model.layers), len(visual), retention, layers, first_layer)
+        return PrunedInputs(inputs, LayerPruner(language_model, stages, visual))
+
     # ------------------------------------------------------------------ generation
     @torch.inference_mode()
     def generate(
@@ -212,9 +232,11 @@ class QwenVideoAdapter:
         """Generate each built input in turn, timing its vision tower, first token and later tokens."""
         outputs = []
         for inputs, kwargs in zip(requests, gen_kwargs):
+            pruner = inputs.pruner if isinstance(inputs, PrunedInputs) else None
+            inputs = inputs.inputs if pruner is not None else inputs
             reset_peak_memory(self.device)
             first = FirstLogits(self.stopwatch)
-            with self.vision_timer.recording():
+            with self.vision_timer.recording(), pruner.attached() if pruner is not None else nullcontext():
                 start = self.stopwatch.mark()
                 text, tokens = self.generate_ids(inputs, **kwargs, logits_processor=[first])
                 end = self.stopwatch.mark()
@@ -228,6 +250,8 @@ class QwenVideoAdapter:
                     per_token_s=self.stopwatch.seconds(first.first, end) / (n_out - 1) if n_out > 1 else 0.0,
                     vision_s=self.vision_timer.take(),
                     peak_memory_mb=peak_memory_mb(self.device),
+                    layer_visual_tokens=pruner.layer_tokens if pruner is not None else None,
+                    method_flops=pruner.flops if pruner is not None else 0,
                 )
             )
         return outputs

@@ -172,21 +172,48 @@ def vision_flops(v: VisionDims, grids) -> tuple[int, int]:
 # ---------------------------------------------------------------------- LLM
 def token_linear(x: TextDims) -> int:
     """Linear FLOPs of one token through every decoder layer (q, k, v, o and the SwiGLU MLP)."""
+    return x.layers * layer_linear(x)
+
+
+def layer_linear(x: TextDims) -> int:
+    """Linear FLOPs of one token through one decoder layer."""
     attn = 2 * x.hidden * x.heads * x.head_dim + 2 * x.hidden * x.kv_heads * x.head_dim
-    return x.layers * 2 * (attn + 3 * x.hidden * x.intermediate)
+    return 2 * (attn + 3 * x.hidden * x.intermediate)
 
 
-def prefill_flops(x: TextDims, prompt_tokens: int) -> tuple[int, int]:
-    """(linear, attention) FLOPs of the LLM's prefill over `prompt_tokens` tokens, lm_head on the last."""
-    linear = prompt_tokens * token_linear(x) + 2 * x.hidden * x.vocab
-    return linear, x.layers * 4 * prompt_tokens**2 * x.heads * x.head_dim
+def per_layer(x: TextDims, prompt_tokens: int | list[int]) -> list[int]:
+    """Prompt tokens in each decoder layer: the same in every layer, or as given (a method that
+    prunes inside the LLM)."""
+    lengths = [prompt_tokens] * x.layers if isinstance(prompt_tokens, int) else list(prompt_tokens)
+    if len(lengths) != x.layers:
+        raise ValueError(f"{len(lengths)} per-layer prompt lengths for an LLM of {x.layers} layers")
+    return lengths
 
 
-def decode_flops(x: TextDims, prompt_tokens: int, output_tokens: int) -> int:
-    """FLOPs (linear and attention) of the n - 1 decode steps after prefill, step i against L + i keys."""
+def prefill_flops(x: TextDims, prompt_tokens: int | list[int]) -> tuple[int, int]:
+    """(linear, attention) FLOPs of the LLM's prefill over `prompt_tokens` tokens (or that many in
+    each layer), lm_head on the last."""
+    lengths = per_layer(x, prompt_tokens)
+    linear = sum(lengths) * layer_linear(x) + 2 * x.hidden * x.vocab
+    return linear, sum(4 * n**2 * x.heads * x.head_dim for n in lengths)
+
+
+def decode_flops(x: TextDims, prompt_tokens: int | list[int], output_tokens: int) -> int:
+    """FLOPs (linear and attention) of the n - 1 decode steps after prefill, step i against the
+    layer's prompt plus i keys."""
     steps = max(0, output_tokens - 1)
-    keys = sum(prompt_tokens + i for i in range(1, steps + 1))
-    return steps * (token_linear(x) + 2 * x.hidden * x.vocab) + x.layers * 4 * keys * x.heads * x.head_dim
+    keys = sum(n + i for n in per_layer(x, prompt_tokens) for i in range(1, steps + 1))
+    return steps * (token_linear(x) + 2 * x.hidden * x.vocab) + 4 * keys * x.heads * x.head_dim
+
+
+def ranking_flops(x: TextDims, length: int) -> int:
+    """The last token's attention row over `length` tokens in one layer (`inside_llm`): its query
+    2 H n_h d_h, every key 2 L H n_kv d_h, the scores 2 n_h L d_h."""
+    return (
+        2 * x.hidden * x.heads * x.head_dim
+        + 2 * length * x.hidden * x.kv_heads * x.head_dim
+        + (2 * x.heads * length * x.head_dim)
+    )
 
 
 # ---------------------------------------------------------------------- a method's own work
@@ -287,14 +314,14 @@ def sample_flops(
     method,
     grids,
     retention: float | None,
-    prompt_tokens: int,
+    prompt_tokens: int | list[int],
     output_tokens: int,
     compressor: int | None = None,
     allocator: int = 0,
 ) -> SampleFlops:
     """FLOPs of one sample: the vision tower over the planned `grids` (t, h, w merged tokens, the
-    vanilla ones for a token compressor), the LLM over the `prompt_tokens` that entered it and
-    `output_tokens` generated, the `method`'s own work at `retention` (`compressor`: its
+    vanilla ones for a token compressor), the LLM over the `prompt_tokens` that entered it (or
+    that many in each layer) and `output_tokens` generated, the `method`'s own work at `retention` (`compressor`: its
     compressor's counted FLOPs, see `method_flops`) and the Allocator's `allocator` FLOPs."""
     vision, vision_attention = vision_flops(dims.vision, grids)
     prefill, attention = prefill_flops(dims.text, prompt_tokens)
@@ -346,5 +373,12 @@ def row_flops(
     if method.compress is not None:
         visual = kept_count(retention, visual, len(plan.grids))
     scoring = allocator.flops(frames, query_tokens) if method.needs_allocator else 0
-    flops = sample_flops(dims, method, plan.grids, retention, visual + text_tokens, output_tokens, allocator=scoring)
+    prompt, ranking = visual + text_tokens, None
+    if method.prune is not None:  # the stages' layer counts, each ranked in the layer before it
+        from ..baselines.inside_llm import layer_counts
+
+        stages = method.prune(dims.text.layers, visual, retention, None, dims.vision.deepstack)
+        prompt = [text_tokens + n for n in layer_counts(stages, dims.text.layers, visual)]
+        ranking = sum(ranking_flops(dims.text, prompt[s.layer - 1]) for s in stages)
+    flops = sample_flops(dims, method, plan.grids, retention, prompt, output_tokens, ranking, allocator=scoring)
     return flops, visual

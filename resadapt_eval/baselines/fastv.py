@@ -1,0 +1,35 @@
+"""FastV (Chen et al., ECCV 2024, "An Image is Worth 1/2 Tokens After Layer 2"; code:
+github.com/pkunlp-icler/FastV): after decoder layer K - 1, rank the visual tokens by the attention
+the last token pays them in that layer (mean over heads) and keep the top ones for every later
+layer. The paper's setting is K = 2, keeping 50% (its R is the share kept after layer K).
+
+Deviations from the reference:
+- the keep count is solved from the layer-averaged target R (`inside_llm`): the K first layers see
+  all N tokens, the rest k = floor((R L - K) N / (L - K)), so (K N + (L - K) k) / (L N) <= R;
+- on Qwen3-VL the default K is after the deepstack layers (3 on Qwen3-VL-8B), which add features
+  to every visual token;
+- the last token's attention row is computed from the layer's own q/k projections and rotary
+  (no eager attention map of the whole sequence is materialised); decoding keeps the pruned KV
+  cache, as FastV's KV-cache variant does.
+"""
+
+from __future__ import annotations
+
+import math
+
+from .inside_llm import Stage, check_layers, infeasible
+
+DEFAULT_LAYER = 2  # K
+
+
+def stages(
+    num_layers: int, visual: int, retention: float, layers: list[int] | None = None, first_layer: int = 0
+) -> list[Stage]:
+    """One stage at K (`layers`, default max(2, first_layer)) keeping the most tokens whose
+    layer-averaged retention is not above `retention`."""
+    (k_layer,) = layers or [max(DEFAULT_LAYER, first_layer)]
+    check_layers([k_layer], num_layers, first_layer)
+    keep = min(visual, math.floor((retention * num_layers - k_layer) * visual / (num_layers - k_layer) + 1e-9))
+    if keep < 1:
+        raise infeasible(retention, [Stage(k_layer, 1)], num_layers, visual, f"FastV pruning after layer {k_layer}")
+    return [Stage(k_layer, keep)]
