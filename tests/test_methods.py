@@ -130,11 +130,11 @@ def test_paper_order_and_properties_come_from_the_registry():
 @pytest.mark.parametrize("where", ["registry", "config", "sweep"])
 def test_an_unregistered_method_is_rejected_with_the_known_ones(where):
     call = {
-        "registry": lambda: get_method("fastv"),
-        "config": lambda: VideoPipelineConfig(method="fastv"),
-        "sweep": lambda: plan_cells(["vanilla", "fastv"], [0.25], [8]),
+        "registry": lambda: get_method("sparsevlm"),
+        "config": lambda: VideoPipelineConfig(method="sparsevlm"),
+        "sweep": lambda: plan_cells(["vanilla", "sparsevlm"], [0.25], [8]),
     }[where]
-    with pytest.raises(ValueError, match="fastv") as error:
+    with pytest.raises(ValueError, match="sparsevlm") as error:
         call()
     assert all(name in str(error.value) for name in METHODS)
 
