@@ -240,17 +240,21 @@ def cmd_flops(args) -> int:
         vanilla, _ = row_flops(dims, "vanilla", frames, (height, width), None, args.text_tokens, args.output_tokens)
         for method in methods:
             retention = None if method.retention == NO_RETENTION else args.retention
-            flops, visual = row_flops(
-                dims,
-                method.name,
-                frames,
-                (height, width),
-                retention,
-                args.text_tokens,
-                args.output_tokens,
-                allocator,
-                args.query_tokens,
-            )
+            try:
+                flops, visual = row_flops(
+                    dims,
+                    method.name,
+                    frames,
+                    (height, width),
+                    retention,
+                    args.text_tokens,
+                    args.output_tokens,
+                    allocator,
+                    args.query_tokens,
+                )
+            except ValueError as exc:  # a feature-dependent compressor, or a budget below the method's floor
+                print(f"{method.name:>14}{frames:>14}  {exc}")
+                continue
             cells = (
                 method.name,
                 frames,
