@@ -210,11 +210,14 @@ def test_cell_summary_by_hand(tmp_path):
     )
     assert cell.achieved_retention == pytest.approx(0.25)
     assert binomial_se(0.5, 100) == pytest.approx(0.05)
-    assert "| ResAdapt | 0.25 | 0.250 | 60.0 ± 21.9 | 75.0 ± 21.7 | 5 |" in to_markdown([cell])
+    assert cell.tflops is None  # these records carry no FLOPs
+    assert "| ResAdapt | 0.25 | 0.250 | 60.0 ± 21.9 | 75.0 ± 21.7 | - | 5 |" in to_markdown([cell])
+    costed = dataclasses.replace(cell, tflops=1.5e-4)
+    assert "| ResAdapt | 0.25 | 0.250 | 60.0 ± 21.9 | 75.0 ± 21.7 | 1.50e-04 | 5 |" in to_markdown([costed])
     # a method whose scales are not the Allocator's has no evidence fraction (all its pairs are equal)
     fixed = summarize_cell(dataclasses.replace(run, method="fixed_scale"), rows)
     assert np.isnan(fixed.evidence_fraction) and fixed.accuracy == pytest.approx(0.6)
-    assert "| FixedScale | 0.25 | 0.250 | 60.0 ± 21.9 | - | 5 |" in to_markdown([fixed])
+    assert "| FixedScale | 0.25 | 0.250 | 60.0 ± 21.9 | - | - | 5 |" in to_markdown([fixed])
 
 
 def test_committed_needle_allocator_spends_r025_on_the_evidence_pair(tmp_path):

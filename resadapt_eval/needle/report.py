@@ -45,7 +45,8 @@ def binomial_se(p: float, n: int) -> float:
 
 @dataclass
 class CellSummary:
-    """One cell: accuracy and evidence fraction in [0, 1] with standard errors, over n samples."""
+    """One cell: accuracy and evidence fraction in [0, 1] with standard errors, over n samples;
+    tflops: mean TFLOPs per successful sample (None for records made before FLOPs were counted)."""
 
     method: str
     retention: float | None
@@ -56,6 +57,7 @@ class CellSummary:
     evidence_se: float
     n: int
     path: Path
+    tflops: float | None = None
 
 
 def load_rows(data: str | Path) -> dict[str, dict]:
@@ -83,6 +85,7 @@ def summarize_cell(run: CellRun, rows: dict[str, dict]) -> CellSummary:
         binomial_se(frac, len(hits)),
         len(scores),
         run.path,
+        run.tflops(),
     )
 
 
@@ -95,8 +98,8 @@ def summarize(run_dir: str | Path, data: str | Path) -> list[CellSummary]:
 
 def to_markdown(cells: list[CellSummary]) -> str:
     lines = [
-        "| method | R target | R achieved | accuracy % | evidence pair highest % | n |",
-        "|---|---|---|---|---|---|",
+        "| method | R target | R achieved | accuracy % | evidence pair highest % | TFLOPs | n |",
+        "|---|---|---|---|---|---|---|",
     ]
     for c in cells:
         target = "-" if c.retention is None else f"{c.retention:g}"
@@ -105,7 +108,8 @@ def to_markdown(cells: list[CellSummary]) -> str:
         )
         lines.append(
             f"| {METHODS[c.method].display_name} | {target} | {c.achieved_retention:.3f} | "
-            f"{100 * c.accuracy:.1f} ± {100 * c.accuracy_se:.1f} | {evidence} | {c.n} |"
+            f"{100 * c.accuracy:.1f} ± {100 * c.accuracy_se:.1f} | {evidence} | "
+            f"{'-' if c.tflops is None else f'{c.tflops:.2e}'} | {c.n} |"
         )
     return "\n".join(lines)
 
