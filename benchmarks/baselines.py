@@ -4,26 +4,29 @@
 
 For each backbone and T: one smoke video decoded once. Prefill = from decoded frames to the
 first-token logits (resize, processor, vision encoder, compression where the method has one, one
-LLM forward); generate = the same through a greedy generate of --max-new-tokens tokens. Medians
-over --repeats runs after a warm-up; ratios are to vanilla in the same run.
+LLM forward, pruned inside it for FastV / PyramidDrop, whose R is layer-averaged); generate = the
+same through a greedy generate of --max-new-tokens tokens. Medians over --repeats runs after a
+warm-up; ratios are to vanilla in the same run.
 """
 
 from __future__ import annotations
 
 import argparse
+from contextlib import nullcontext
 from pathlib import Path
 
 import torch
 from timing import median_seconds
 
-from resadapt_eval.backbones.qwen import ADAPTERS
+from resadapt_eval.backbones.qwen import ADAPTERS, PrunedInputs
 from resadapt_eval.budget.plan import base_size, plan_from_scales
 from resadapt_eval.budget.policies import BudgetSpec, fixed_scale
 from resadapt_eval.fixtures import ensure_fixtures
-from resadapt_eval.methods import AFTER_MERGER, METHODS
+from resadapt_eval.methods import AFTER_MERGER, INSIDE_LLM, METHODS
 from resadapt_eval.video import decode_video
 
 REPO = Path(__file__).resolve().parents[1]
+EARLY_STAGES = {"pyramiddrop": [1, 4, 8]}  # its default quarters cannot reach R=0.25 on 12 layers
 
 
 def main() -> None:
@@ -79,30 +82,41 @@ def main() -> None:
                     needs_attention=METHODS[method].needs_attention,
                 )[0]
 
+            def pruned(method):
+                layers = EARLY_STAGES.get(method)
+                return lambda: adapter.build_pruned_inputs(
+                    adapter.build_inputs(prompt, video, vanilla_plan), METHODS[method].prune, args.retention, layers
+                )
+
             builders = {
                 "vanilla": plain(vanilla_plan),
                 "fixed_scale": plain(fixed_plan),
                 **{name: compressed(name) for name, method in METHODS.items() if method.stage == AFTER_MERGER},
+                **{name: pruned(name) for name, method in METHODS.items() if method.stage == INSIDE_LLM},
             }
             rows = {}
             for method, build in builders.items():
 
                 def prefill():
                     inputs = build()
+                    attached = inputs.pruner.attached() if isinstance(inputs, PrunedInputs) else nullcontext()
                     adapter.model.model.rope_deltas = None
-                    with torch.inference_mode():
-                        adapter.model(**inputs)
+                    with torch.inference_mode(), attached:
+                        adapter.model(**(inputs.inputs if isinstance(inputs, PrunedInputs) else inputs))
 
                 def generate():
-                    adapter.generate(build(), max_new_tokens=args.max_new_tokens)
+                    adapter.generate_batch([build()], [dict(max_new_tokens=args.max_new_tokens)])
 
                 inputs = build()
-                tokens = int((inputs["mm_token_type_ids"] == 2).sum())
+                if isinstance(inputs, PrunedInputs):  # layer-averaged visual tokens
+                    tokens = sum(inputs.pruner.layer_tokens) / len(inputs.pruner.layer_tokens)
+                else:
+                    tokens = int((inputs["mm_token_type_ids"] == 2).sum())
                 rows[method] = (tokens, median_seconds(prefill, args.repeats), median_seconds(generate, args.repeats))
             van_tokens, van_prefill, van_gen = rows["vanilla"]
             for method, (tokens, pre, gen) in rows.items():
                 print(
-                    f"{name:<9} {T:>3} {method:<12} {tokens:>6} {tokens / vanilla_plan.visual_tokens:>6.3f} "
+                    f"{name:<9} {T:>3} {method:<12} {tokens:>6.0f} {tokens / vanilla_plan.visual_tokens:>6.3f} "
                     f"{pre * 1000:>10.1f} {gen * 1000:>7.1f} "
                     f"{tokens / van_tokens:>10.3f} {pre / van_prefill:>11.2f} {gen / van_gen:>8.2f}"
                 )
