@@ -28,7 +28,7 @@ def _save(fig, out: Path, stem: str) -> list[Path]:
 
 AXES = {  # x axis of a Pareto plot: its label and how a cell is placed on it
     "retention": ("achieved retention R (visual tokens / vanilla)", lambda run: run.achieved_retention()),
-    "tflops": ("TFLOPs per sample (vision tower + LLM, analytic)", lambda run: run.tflops()),
+    "tflops": ("TFLOPs per sample (vision tower, LLM, a method's own work, Allocator)", lambda run: run.tflops()),
 }
 
 
