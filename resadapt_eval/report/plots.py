@@ -63,6 +63,16 @@ def pareto(runs: list[CellRun], out: Path) -> list[Path]:
     return written
 
 
+MARKERS = "osD^v<>pPX*h"
+
+
+def method_style(method: str) -> dict:
+    """A colour and marker per registered method, fixed by its registry position, so every plot
+    draws a method the same way and no two of up to 20 methods share both."""
+    index = list(METHODS).index(method)
+    return dict(color=plt.get_cmap("tab20")(index % 20), marker=MARKERS[index % len(MARKERS)])
+
+
 def pareto_figure(runs: list[CellRun], column: str, frames: int, axis: str = "retention"):
     """Score vs achieved R (or TFLOPs) for one column and frame count, a line per method (its display name)."""
     fig, ax = plt.subplots(figsize=(6, 4.2))
@@ -70,12 +80,12 @@ def pareto_figure(runs: list[CellRun], column: str, frames: int, axis: str = "re
     for method, points in pareto_lines(runs, column, frames, axis).items():
         xs, ys = zip(*points)
         label = METHODS[method].display_name + (" (untrained)" if method in untrained else "")
-        ax.plot(xs, ys, marker="o", linewidth=1.8, label=label)
+        ax.plot(xs, ys, linewidth=1.8, label=label, **method_style(method))
     ax.set_xlabel(AXES[axis][0])
     ax.set_ylabel(column)
     ax.set_title(f"{column}, {frames} frames")
     ax.grid(alpha=0.3)
-    ax.legend(frameon=False, fontsize=9)
+    ax.legend(frameon=False, fontsize=8, ncol=2 if len(ax.get_lines()) > 8 else 1)
     return fig
 
 
