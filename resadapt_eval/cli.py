@@ -15,6 +15,7 @@ from .methods import METHODS
 from .needle.data import EVIDENCE_PAIRS
 
 ALL_METHODS = ",".join(METHODS)
+PAPER_METHODS = ",".join(name for name, method in METHODS.items() if method.in_paper)
 
 
 def cmd_fixtures(args) -> int:
@@ -314,7 +315,7 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("demo", help="the needle benchmark on the committed weights: data, sweep, tables, plots, report")
     p.add_argument("--out", default="demo_out", help="output folder (the sweep's run directory)")
     p.add_argument("--repo", default=".", help="repository root (holds model_cards/, tasks/, fixtures/)")
-    p.add_argument("--methods", default=ALL_METHODS, help="comma-separated methods")
+    p.add_argument("--methods", default=PAPER_METHODS, help="comma-separated methods (default: the paper's seven)")
     p.add_argument("--retention", default="0.25", help="comma-separated target retentions")
     p.add_argument(
         "--limit", type=int, default=100, help="needle test videos per cell (written to fixtures/needle if missing)"

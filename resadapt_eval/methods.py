@@ -53,7 +53,8 @@ class Method:
     acts (BEFORE_ENCODER, AFTER_MERGER, INSIDE_LLM); retention: NO/OPTIONAL/REQUIRED_RETENTION;
     needs_allocator: its scales come from the Allocator (`allocator=`, frame selection);
     needs_attention: its compressor reads the attention received in the last ViT block;
-    vllm: the vLLM engine can run it; images: it serves image requests.
+    vllm: the vLLM engine can run it; images: it serves image requests; in_paper: one of the seven
+    methods the paper compares (the demo's default set).
     policy: per-frame scales `(num_frames, base_hw, grid, spec) -> (T,)` for methods that do not
     use the Allocator; compress: `(VisualTokens, keep, seed) -> assignment` for AFTER_MERGER methods;
     prune: `(num_layers, visual, retention, layers, first_layer) -> [Stage]` for INSIDE_LLM methods
@@ -73,6 +74,7 @@ class Method:
     compress: Callable | None = None
     prune: Callable | None = None
     aliases: tuple[str, ...] = ()
+    in_paper: bool = False
 
     def __post_init__(self):
         if self.stage not in STAGES:
@@ -109,7 +111,9 @@ def get_method(name: str) -> Method:
     return METHODS[name]
 
 
-def _compressor(name: str, display_name: str, class_stem: str, module, needs_attention: bool = False) -> Method:
+def _compressor(
+    name: str, display_name: str, class_stem: str, module, needs_attention: bool = False, in_paper: bool = False
+) -> Method:
     return Method(
         name,
         display_name,
@@ -119,6 +123,7 @@ def _compressor(name: str, display_name: str, class_stem: str, module, needs_att
         compress=module.compress,
         policy=policies.vanilla,
         needs_attention=needs_attention,
+        in_paper=in_paper,
     )
 
 
@@ -130,13 +135,21 @@ def _pruner(name: str, display_name: str, class_stem: str, module) -> Method:
 
 register(
     Method(
-        "vanilla", "Vanilla", "Vanilla", BEFORE_ENCODER, NO_RETENTION, policy=policies.vanilla, vllm=True, images=True
+        "vanilla",
+        "Vanilla",
+        "Vanilla",
+        BEFORE_ENCODER,
+        NO_RETENTION,
+        policy=policies.vanilla,
+        vllm=True,
+        images=True,
+        in_paper=True,
     )
 )
-register(_compressor("random_drop", "Random Drop", "RandomDrop", random_drop))
-register(_compressor("tome", "ToMe", "ToMe", tome))
-register(_compressor("visionzip", "VisionZip", "VisionZip", visionzip, needs_attention=True))
-register(_compressor("flashvid", "FlashVid", "FlashVid", flashvid, needs_attention=True))
+register(_compressor("random_drop", "Random Drop", "RandomDrop", random_drop, in_paper=True))
+register(_compressor("tome", "ToMe", "ToMe", tome, in_paper=True))
+register(_compressor("visionzip", "VisionZip", "VisionZip", visionzip, needs_attention=True, in_paper=True))
+register(_compressor("flashvid", "FlashVid", "FlashVid", flashvid, needs_attention=True, in_paper=True))
 register(_compressor("divprune", "DivPrune", "DivPrune", divprune))
 register(_compressor("vidcom2", "VidCom2", "VidCom2", vidcom2))
 register(_compressor("dycoke", "DyCoke", "DyCoke", dycoke))
@@ -156,6 +169,7 @@ register(
         vllm=True,
         images=True,
         aliases=("fixedscale",),
+        in_paper=True,
     )
 )
 register(
@@ -168,5 +182,6 @@ register(
         needs_allocator=True,
         vllm=True,
         images=True,
+        in_paper=True,
     )
 )

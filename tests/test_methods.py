@@ -121,6 +121,8 @@ def test_the_old_fixedscale_model_name_is_an_alias():
 def test_paper_order_and_properties_come_from_the_registry():
     assert list(METHODS)[:5] == ["vanilla", "random_drop", "tome", "visionzip", "flashvid"]  # the paper's rows
     assert list(METHODS)[-2:] == ["fixed_scale", "resadapt"]
+    paper = ["vanilla", "random_drop", "tome", "visionzip", "flashvid", "fixed_scale", "resadapt"]
+    assert [m for m, spec in METHODS.items() if spec.in_paper] == paper  # the demo's default set
     assert [m for m, spec in METHODS.items() if spec.vllm] == ["vanilla", "fixed_scale", "resadapt"]
     assert {m for m, spec in METHODS.items() if spec.needs_attention} == {"visionzip", "flashvid", "fastvid", "holitom"}
     assert plan_cells(["vanilla", "tome"], [0.5, 0.25], [8])[0].retention is None  # vanilla once, no target
