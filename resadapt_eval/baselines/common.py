@@ -90,3 +90,26 @@ def merge_groups(
         sums.index_add_(0, inverse, f[members].float())
         merged.append((sums / sizes[:, None]).to(f.dtype))
     return destinations, sizes, merged
+
+
+def top(scores: torch.Tensor, count: int) -> torch.Tensor:
+    """Indices of the `count` highest scores, ties to the lower index."""
+    return torch.sort(scores, descending=True, stable=True).indices[:count]
+
+
+def density_peaks(feats: torch.Tensor, count: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """DPC-kNN centres over feats (n, D): distances d = cdist / sqrt(D); density rho = exp(-mean d^2
+    over the k nearest rows, itself included); delta = distance to the nearest denser row (equal
+    densities: the lower index is denser; the densest row takes the largest distance). Returns the
+    `count` rows of highest rho * delta (ties to the lower index) and the (n, n) distances."""
+    n, dim = feats.shape
+    dist = torch.cdist(feats, feats) / math.sqrt(dim)
+    nearest = dist.topk(min(k, n), dim=1, largest=False).values
+    density = torch.exp(-(nearest**2).mean(dim=1))
+    index = torch.arange(n, device=feats.device)
+    # denser[i, j]: row j is denser than row i
+    denser = (density[None, :] > density[:, None]) | (
+        (density[None, :] == density[:, None]) & (index[None, :] < index[:, None])
+    )
+    to_denser = torch.where(denser, dist, dist.max()).min(dim=1).values
+    return top(to_denser * density, count), dist

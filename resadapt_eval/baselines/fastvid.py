@@ -60,7 +60,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from .common import DROPPED, VisualTokens, per_pair_budget
+from .common import DROPPED, VisualTokens, density_peaks, per_pair_budget, top
 
 DYSEG_C = 8  # at least c segments (the c - 1 lowest transitions are cuts)
 DYSEG_TAU = 0.84  # and a cut wherever adjacent frames' cosine is below tau (Qwen2.5-VL setting)
@@ -119,26 +119,6 @@ def stprune_budget(sizes: list[int], budget: list[int]) -> tuple[list[int], list
     return [s + e for s, e in zip(salient, extra)], anchors
 
 
-def top(scores: torch.Tensor, count: int) -> torch.Tensor:
-    """Indices of the `count` highest scores, ties to the lower index."""
-    return torch.sort(scores, descending=True, stable=True).indices[:count]
-
-
-def density_peaks(feats: torch.Tensor, count: int) -> torch.Tensor:
-    """DPC-kNN: indices of the `count` rows of feats (n, D) with the highest density x distance to a denser row."""
-    n, dim = feats.shape
-    dist = torch.cdist(feats, feats) / math.sqrt(dim)
-    nearest = dist.topk(min(DENSITY_K, n), dim=1, largest=False).values
-    density = torch.exp(-(nearest**2).mean(dim=1))
-    index = torch.arange(n, device=feats.device)
-    # denser[i, j]: row j is denser than row i (equal densities: the lower index is denser)
-    denser = (density[None, :] > density[:, None]) | (
-        (density[None, :] == density[:, None]) & (index[None, :] < index[:, None])
-    )
-    to_denser = torch.where(denser, dist, dist.max()).min(dim=1).values
-    return top(to_denser * density, count)
-
-
 def compress(tokens: VisualTokens, keep: int, seed: int = 0) -> torch.Tensor:
     if tokens.received_attention is None:
         raise ValueError("fastvid needs the attention received in the last ViT block")
@@ -159,7 +139,7 @@ def compress(tokens: VisualTokens, keep: int, seed: int = 0) -> torch.Tensor:
             assignment[index[is_salient]] = index[is_salient]
             others = index[~is_salient]
             if n_anchor > 0:
-                anchors.append(others[density_peaks(feats[others], n_anchor)])
+                anchors.append(others[density_peaks(feats[others], n_anchor, DENSITY_K)[0]])
             rest.append(others)
         if anchors:
             rest, anchors = torch.cat(rest), torch.cat(anchors)

@@ -60,7 +60,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from .common import DROPPED, VisualTokens, check_keep
+from .common import DROPPED, VisualTokens, check_keep, density_peaks, top
 
 TAU = 0.8  # a position is static across a step when its tokens' cosine exceeds tau
 DENSITY_K = 7  # DPC-kNN neighbours, at most the number of centres (the token itself included)
@@ -209,26 +209,6 @@ def apportion(total: int, sizes: list[int], floors: list[int]) -> list[int]:
     return share
 
 
-def top(scores: torch.Tensor, count: int) -> torch.Tensor:
-    """Indices of the `count` highest scores, ties to the lower index."""
-    return torch.sort(scores, descending=True, stable=True).indices[:count]
-
-
-def density_peaks(feats: torch.Tensor, count: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """DPC-kNN over feats (m, D): `count` centre rows and the (m, m) distance matrix."""
-    m, dim = feats.shape
-    dist = torch.cdist(feats, feats) / math.sqrt(dim)
-    nearest = dist.topk(min(DENSITY_K, count), dim=1, largest=False).values
-    density = torch.exp(-(nearest**2).mean(dim=1))
-    index = torch.arange(m, device=feats.device)
-    # denser[i, j]: row j is denser than row i (equal densities: the lower index is denser)
-    denser = (density[None, :] > density[:, None]) | (
-        (density[None, :] == density[:, None]) & (index[None, :] < index[:, None])
-    )
-    to_denser = torch.where(denser, dist, dist.max()).min(dim=1).values
-    return top(to_denser * density, count), dist
-
-
 def merge_static(window: Window, feats: torch.Tensor, count: int, assignment: torch.Tensor) -> None:
     """Cluster the window's static chains (features: their temporal mean) to `count` centres; every chain
     joins its nearest centre, whose first-pair token is the destination. count == 0 drops them all."""
@@ -236,7 +216,7 @@ def merge_static(window: Window, feats: torch.Tensor, count: int, assignment: to
         assignment[window.chains.flatten()] = DROPPED
         return
     means = feats[window.chains].mean(dim=1)
-    centres, dist = density_peaks(means, count)
+    centres, dist = density_peaks(means, count, min(DENSITY_K, count))
     nearest = centres[dist[:, centres].argmin(dim=1)]
     nearest[centres] = centres
     assignment[window.chains] = window.chains[nearest, :1]

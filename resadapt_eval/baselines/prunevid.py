@@ -52,7 +52,7 @@ from dataclasses import replace
 import torch
 import torch.nn.functional as F
 
-from .common import VisualTokens, check_keep, per_pair_budget
+from .common import VisualTokens, check_keep, density_peaks, per_pair_budget
 
 TAU = 0.8  # static threshold on a position's mean pairwise cosine across a segment's frames
 SEGMENT_RATIO = 0.25  # temporal_segment_ratio: DPC-KNN clusters per frame in the temporal segmentation
@@ -61,15 +61,7 @@ KNN = 7  # k nearest neighbours of the DPC-KNN density, temporal and spatial
 
 def dpc_knn(x: torch.Tensor, num_clusters: int, k: int = KNN) -> torch.Tensor:
     """Centre (row index) of each of the n rows of x (n, C): DPC-KNN clustering into num_clusters clusters."""
-    n, c = x.shape
-    dist = torch.cdist(x.float(), x.float()) / c**0.5
-    nearest = dist.topk(min(k, n), dim=1, largest=False).values
-    density = torch.exp(-(nearest**2).mean(dim=1))
-    rank = torch.empty(n, dtype=torch.long, device=x.device)
-    rank[torch.argsort(density, descending=True, stable=True)] = torch.arange(n, device=x.device)
-    denser = rank[None, :] < rank[:, None]  # denser[i, j]: token j is denser than token i
-    delta = torch.where(denser, dist, dist.max()).min(dim=1).values
-    centres = torch.argsort(delta * density, descending=True, stable=True)[:num_clusters]
+    centres, dist = density_peaks(x.float(), num_clusters, k)
     owner = centres[dist[:, centres].argmin(dim=1)]
     owner[centres] = centres
     return owner
