@@ -64,6 +64,12 @@ def cmd_tables(args) -> int:
     for table in tables:
         print(to_markdown(table, with_paper=args.paper))
     print(f"tables (md, tex, csv): {out}")
+    if args.paper:  # the paper's CAPO ablation has no (backbone, frames, R) to match: side by side
+        from .report.collect import capo_ablation_markdown, capo_ablation_rows, write_capo_ablation
+
+        ablation = capo_ablation_rows(runs, paper_dir)
+        write_capo_ablation(ablation, out)
+        print(capo_ablation_markdown(ablation))
     timed = [run for run in runs if any("first_token_s" in r for r in run.records)]
     if timed:  # cells run by a version that times every stage: the paper's latency table
         from .profile.latency import latency_rows, write_latency
@@ -355,7 +361,10 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument("--out", default=None, help=f"output folder (default: RUN_DIR/{name})")
         if name == "tables":
             p.add_argument(
-                "--paper", action="store_true", help="add the paper's numbers and deltas (results/paper/*.csv)"
+                "--paper",
+                action="store_true",
+                help="add the paper's numbers and deltas (results/paper/*.csv), and its CAPO ablation "
+                "beside the ResAdapt cells (capo_dist_ablation.md/csv)",
             )
             p.add_argument("--paper-dir", default=str(REPO / "results" / "paper"))
         p.set_defaults(func=func)

@@ -6,7 +6,7 @@ from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING
 
 from .compute.flops import dims_from_config, sample_flops
-from .methods import BEFORE_ENCODER, get_method
+from .methods import AFTER_MERGER, INSIDE_LLM, get_method
 
 if TYPE_CHECKING:
     from .backbones.layout import QwenLayout
@@ -37,6 +37,8 @@ class SampleRecord:
     per_token_s (each later token), peak_memory_mb (`profile.clock.peak_memory_mb`; None on vLLM).
     Stage clocks are CUDA events on a GPU, wall clocks on CPU. error: `ExceptionType: message`.
     allocator: the Allocator checkpoint of method=resadapt (`untrained` when run on purpose without one).
+    budget_rule: the rule that sized the plan (`BudgetSpec.rule_label`: `paper` or `authors_code`,
+    with any setting given against it, e.g. `authors_code (fixed_scale_rule=search)`).
     FLOPs of a successful sample (0 for a failed one; counted by `compute.flops`, 2 per multiply-add
     of every matmul and convolution): vision_flops / vision_attention_flops (vision tower: linear
     layers / attention scores), llm_prefill_flops / llm_attention_flops (LLM over the prompt: linear
@@ -50,6 +52,7 @@ class SampleRecord:
     task: str | None
     method: str
     allocator: str | None = None
+    budget_rule: str | None = None
     video: str | None = None
     num_frames: int = 0
     frame_indices: list[int] = field(default_factory=list)
@@ -116,6 +119,7 @@ def build_record(
         task=request.task,
         method=config.method,
         allocator=config.allocator,
+        budget_rule=config.budget.rule_label,
         video=None if request.video is None else str(request.video),
         target_retention=config.budget.retention,
         error=error_text(error) if error else None,
@@ -151,8 +155,7 @@ def build_record(
         record.achieved_retention = record.layer_averaged_tokens / record.reference_tokens
         # full-resolution frames: a video frame is half a pair at the base size, an image a whole one
         frame_tokens = [
-            layout.grid.tokens(*p.base_hw) / (1 if decoded.images else layout.grid.temporal_patch)
-            for p in planned.plans
+            p.vanilla_pair_tokens / (1 if decoded.images else layout.grid.temporal_patch) for p in planned.plans
         ]
         record.frame_budget = record.visual_tokens / sum(frame_tokens) * len(frame_tokens)
         record.input_tokens, record.output_tokens = len(generated.prompt_ids), generated.output_tokens
@@ -175,7 +178,7 @@ def build_record(
             prompt_tokens,
             record.output_tokens,
             compressor=built.compressor_flops + generated.engine.method_flops
-            if method.stage != BEFORE_ENCODER
+            if method.stage in (AFTER_MERGER, INSIDE_LLM)
             else None,
             allocator=scores.flops,
         )

@@ -1,7 +1,8 @@
 """Checks on the paper reference tables transcribed into results/paper/*.csv.
 
 The expected values below were read by hand from the paper's LaTeX source (tables named by
-their labels); the test does not read the LaTeX itself.
+their labels); the test does not read the LaTeX itself. The last test checks how
+`resadapt-eval tables --paper` uses the CAPO ablation table.
 """
 
 import csv
@@ -106,6 +107,20 @@ TABLES = {
             "gen_time_ms",
             "total_tflops",
             "e2e_time_ms",
+        ],
+    ),
+    "capo_dist_ablation.csv": (
+        2,
+        [
+            "method",
+            "mean_scale",
+            "videomme",
+            "longvideobench",
+            "mmvu",
+            "videommmu_perception",
+            "videommmu_comprehension",
+            "videommmu_adaptation",
+            "lvbench",
         ],
     ),
 }
@@ -314,3 +329,92 @@ def test_latency_cells():
     assert cell(LAT, "scale_text_enc_ms", method="ResAdapt", frames=128, retention="28.2") == "20.4"
     assert cell(LAT, "total_tflops", method="ResAdapt", frames=128, retention="28.2") == "267.1"
     assert cell(LAT, "e2e_time_ms", method="ResAdapt", frames=128, retention="28.2") == "1977.3"
+
+
+# --- table:capo_dist_ablation -------------------------------------------------------------
+
+CAPO = "capo_dist_ablation.csv"
+
+# Both rows in full, as printed: s-bar, VideoMME, LongVideoBench, MMVU, VideoMMMU Per./Comp./Adap., LVBench
+CAPO_ROWS = {
+    "beta-CAPO": ["0.54", "60.3", "58.2", "51.2", "65.0", "54.3", "28.7", "37.6"],  # $\beta$-CAPO
+    "N-CAPO": ["0.60", "61.0", "57.4", "51.8", "66.0", "50.0", "30.3", "37.2"],  # $\mathcal{N}$-CAPO
+}
+
+
+def test_capo_dist_ablation_cells():
+    header, _ = load(CAPO)
+    for method, values in CAPO_ROWS.items():
+        assert [cell(CAPO, column, method=method) for column in header[1:]] == values
+
+
+def write_cell(run_dir, name, method, allocator, scores, raw_scales):
+    """A finished sweep cell as `sweep` leaves it: cell.json, lmms-eval's results, our sidecar."""
+    import json
+
+    cell_dir = run_dir / name
+    (cell_dir / "out").mkdir(parents=True)
+    results = {task: {f"{metric},none": value} for task, (metric, value) in scores.items()}
+    (cell_dir / "out" / "x_results.json").write_text(json.dumps({"results": results}))
+    records = [
+        dict(
+            task=task, error=None, achieved_retention=0.25, scales=[0.5] * 4, raw_scales=raw_scales, allocator=allocator
+        )
+        for task in scores
+    ]
+    (cell_dir / "out" / "resadapt_samples_x.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    meta = dict(
+        card="qwen25vl-7b-32f",
+        backbone="qwen25vl",
+        paper_backbone="Qwen2.5-VL-7B",
+        method=method,
+        retention=0.25,
+        frames=32,
+        status="done",
+        samples=len(scores),
+        failed_samples=0,
+        results="out/x_results.json",
+    )
+    (cell_dir / "cell.json").write_text(json.dumps(meta))
+
+
+def test_tables_paper_writes_the_capo_ablation_beside_resadapt_cells(tmp_path, capsys):
+    import json
+
+    from resadapt_eval.cli import main
+
+    # An N-CAPO Allocator checkpoint: only its config.json is read (the policy family).
+    checkpoint = tmp_path / "allocator-ncapo"
+    checkpoint.mkdir()
+    (checkpoint / "config.json").write_text(json.dumps({"policy": "logit_normal"}))
+    run_dir = tmp_path / "sweep"
+    scores = {
+        "videomme": ("videomme_perception_score", 60.0),
+        "video_mmmu_perception": ("mmmu_acc", 64.0),
+        "video_mmmu_adaptation": ("mmmu_acc", 31.0),
+    }
+    write_cell(run_dir, "resadapt-r0.25-f32", "resadapt", str(checkpoint), scores, [0.4, 0.6, 0.7, 0.7])
+    write_cell(run_dir, "vanilla-f32", "vanilla", None, {"videomme": ("videomme_perception_score", 62.0)}, None)
+
+    assert main(["tables", str(run_dir)]) == 0  # without --paper: no ablation table
+    assert not (run_dir / "tables" / "capo_dist_ablation.md").exists()
+    assert "CAPO distribution family" not in capsys.readouterr().out
+
+    assert main(["tables", str(run_dir), "--paper"]) == 0
+    printed = capsys.readouterr().out
+    md = (run_dir / "tables" / "capo_dist_ablation.md").read_text()
+    assert md in printed
+    # the paper's two rows as printed (s-bar to 2 decimals), then our N-CAPO cell; vanilla has no row
+    assert "| paper | beta-CAPO | — | — | — | 0.54 | 60.3 | 58.2 | 51.2 | 65.0 | 54.3 | 28.7 | 37.6 |" in md
+    assert "| paper | N-CAPO | — | — | — | 0.60 | 61.0 | 57.4 | 51.8 | 66.0 | 50.0 | 30.3 | 37.2 |" in md
+    # ours: R from the sidecar, s-bar from the Allocator's raw scales (0.6), VideoMMMU tracks by name
+    assert "| ours | N-CAPO | qwen25vl-7b-32f | 32 | 25.0% | 0.60 | 60.0 | — | — | 64.0 | — | 31.0 | — |" in md
+    rows = list(csv.DictReader((run_dir / "tables" / "capo_dist_ablation.csv").open()))
+    assert [(r["source"], r["variant"]) for r in rows] == [
+        ("paper", "beta-CAPO"),
+        ("paper", "N-CAPO"),
+        ("ours", "N-CAPO"),
+    ]
+    assert float(rows[2]["mean_scale"]) == pytest.approx(0.6) and float(rows[2]["R"]) == 0.25
+    # the VideoMMMU tracks also reach the video QA table under the paper's column names
+    assert "videommmu_perception" in (run_dir / "tables" / "video_qa.csv").read_text().splitlines()[0]

@@ -4,6 +4,10 @@ Qwen video encoders fuse two consecutive frames into one temporal patch, so both
 pair share one size. A plan therefore holds one (height, width) in pixels per pair, each a
 multiple of the backbone's token edge (28 px for Qwen2.5-VL, 32 px for Qwen3-VL), and counts
 one LLM token per token-edge x token-edge square of a pair.
+
+Two rules size a pair (`BudgetSpec.budget_rule`): the paper's text (each side of base x s rounded
+to the grid, `scaled_size`) and the authors' public code (`int(side * s)` pixels, then transformers'
+Qwen2-VL `smart_resize` with a per-pair pixel cap, `truncated_size`).
 """
 
 from __future__ import annotations
@@ -58,6 +62,7 @@ def rounded_sides(base_hw: tuple[int, int], scale: float, grid: TokenGrid) -> tu
     """Sides in tokens of `base_hw` pixels times `scale`, each rounded (half to even), at least 1.
 
     Their product is non-decreasing in `scale`; `scaled_size` keeps it unless it leaves the bounds.
+    `base_hw` need not be on the grid (the authors' Qwen3-VL base is on a 28 px grid).
     """
     px = grid.token_px
     return max(1, round(base_hw[0] * scale / px)), max(1, round(base_hw[1] * scale / px))
@@ -77,21 +82,75 @@ def scaled_size(
     floor; max_tokens None: NO_CAP_TOKENS) is replaced by the base's aspect ratio fitted to the
     bound, sides floored under the cap or ceiled over the floor. That replacement depends on the
     base alone and is computed in integers, so it is the same for every scale past the bound (no
-    float jitter, unlike `smart_resize`). `base_hw` must be a multiple of the token grid.
+    float jitter, unlike `smart_resize`). The aspect ratio is taken from `base_hw` in pixels, which
+    for a base on the token grid is the ratio of its sides in tokens exactly.
     """
     if not 0 < scale < math.inf:
         raise ValueError(f"scale must be a finite positive number, got {scale}")
-    px = grid.token_px
     h, w = rounded_sides(base_hw, scale, grid)
     cap = max_tokens if max_tokens is not None else NO_CAP_TOKENS
-    if base_hw[0] % px or base_hw[1] % px:
-        raise ValueError(f"base size {base_hw[0]}x{base_hw[1]} px is not a multiple of the {px} px token grid")
-    n_h, n_w = base_hw[0] // px, base_hw[1] // px
+    n_h, n_w = int(base_hw[0]), int(base_hw[1])
     if h * w > cap:  # floor(sqrt(cap * n_h / n_w)) and its transpose
         h, w = math.isqrt(cap * n_h // n_w), math.isqrt(cap * n_w // n_h)
     elif h * w < min_tokens:  # ceil(sqrt(min_tokens * n_h / n_w)) and its transpose
         h, w = ceil_sqrt_ratio(min_tokens * n_h, n_w), ceil_sqrt_ratio(min_tokens * n_w, n_h)
-    return h * px, w * px
+    return h * grid.token_px, w * grid.token_px
+
+
+def qwen2vl_smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixels: int) -> tuple[int, int]:
+    """transformers' Qwen2-VL `smart_resize` (image_processing_qwen2_vl), which the authors' code
+    applies to every pair: sides rounded to `factor` (half to even); an area over `max_pixels`
+    refit as floor(side / beta) with beta = sqrt(height * width / max_pixels), one under
+    `min_pixels` as ceil(side * beta), in floats, from the sides given (not from the base)."""
+    if (ratio := max(height, width) / min(height, width)) > 200:
+        raise ValueError(f"absolute aspect ratio must be smaller than 200, got {ratio}")
+    h_bar = round(height / factor) * factor
+    w_bar = round(width / factor) * factor
+    if h_bar * w_bar > max_pixels:
+        beta = math.sqrt((height * width) / max_pixels)
+        h_bar = max(factor, math.floor(height / beta / factor) * factor)
+        w_bar = max(factor, math.floor(width / beta / factor) * factor)
+    elif h_bar * w_bar < min_pixels:
+        beta = math.sqrt(min_pixels / (height * width))
+        h_bar = math.ceil(height * beta / factor) * factor
+        w_bar = math.ceil(width * beta / factor) * factor
+    return h_bar, w_bar
+
+
+def truncated_size(
+    base_hw: tuple[int, int],
+    scale: float,
+    grid: TokenGrid,
+    min_tokens: int = 1,
+    max_tokens: int | None = None,
+) -> tuple[int, int]:
+    """Size in pixels of a frame pair under the authors' code (`truncate_scaled_side=true`): each
+    side `int(side * scale)` pixels (at least one patch, token_px / 2), then `qwen2vl_smart_resize`
+    on the token grid with min_pixels / max_pixels = min_tokens / max_tokens x token_px^2 (their
+    768-token `max_pixels` per pair; their `min_pixels` is 56 x 56 px, 4 tokens at 28 px). `scale`
+    is used as given: `plan_from_scales` passes the pair's scale rounded to float32 first, as their
+    scales are float32 tensors."""
+    if not 0 < scale < math.inf:
+        raise ValueError(f"scale must be a finite positive number, got {scale}")
+    px, patch = grid.token_px, grid.token_px // 2
+    h, w = max(patch, int(base_hw[0] * scale)), max(patch, int(base_hw[1] * scale))
+    cap = max_tokens if max_tokens is not None else NO_CAP_TOKENS
+    return qwen2vl_smart_resize(h, w, px, min_tokens * px * px, cap * px * px)
+
+
+def pair_size(
+    base_hw: tuple[int, int],
+    scale: float,
+    grid: TokenGrid,
+    min_tokens: int = 1,
+    max_tokens: int | None = None,
+    truncate: bool = False,
+) -> tuple[int, int]:
+    """A pair's size in pixels at the pair's `scale`: `truncated_size` of the scale rounded to
+    float32 (the authors' code) when `truncate`, else `scaled_size` (the paper's text)."""
+    if truncate:
+        return truncated_size(base_hw, float(np.float32(scale)), grid, min_tokens, max_tokens)
+    return scaled_size(base_hw, scale, grid, min_tokens, max_tokens)
 
 
 def ceil_sqrt_ratio(a: int, b: int) -> int:
@@ -113,11 +172,14 @@ def pair_frames(num_frames: int, temporal_patch: int = 2) -> list[tuple[int, ...
     return groups
 
 
-def reduce_pair_scales(scales: Sequence[float], groups: Sequence[tuple[int, ...]], how: str = "mean") -> np.ndarray:
-    """One scale per pair from its frames' scales: `mean` (default), `max` or `min`."""
+def reduce_pair_scales(
+    scales: Sequence[float], groups: Sequence[tuple[int, ...]], how: str = "mean", dtype=np.float64
+) -> np.ndarray:
+    """One scale per pair from its frames' scales: `mean` (default), `max` or `min`, computed in
+    `dtype` (float32 under the authors' code, whose scales are float32 tensors)."""
     if how not in PAIR_REDUCTIONS:
         raise ValueError(f"pair reduction must be one of {PAIR_REDUCTIONS}, got {how!r}")
-    s = np.asarray(scales, dtype=np.float64)
+    s = np.asarray(scales, dtype=dtype)
     return np.array([getattr(np, how)(s[list(g)]) for g in groups])
 
 
@@ -128,7 +190,8 @@ class ResizePlan:
     frame_scales: per-frame scales s_t, length T.
     pair_frames: frame positions of each pair (an odd tail repeats the last frame).
     pair_sizes: (height, width) in pixels per pair, multiples of grid.token_px.
-    reference_tokens: tokens of the vanilla plan (every pair at base_hw) for the same frames.
+    reference_tokens: tokens of the vanilla plan (every pair at base_hw, its sides rounded to the
+        token grid where the base is not on it) for the same frames.
     """
 
     grid: TokenGrid
@@ -141,7 +204,14 @@ class ResizePlan:
 
     def __post_init__(self):
         self.pair_tokens = [self.grid.tokens(h, w) for h, w in self.pair_sizes]
-        self.reference_tokens = len(self.pair_sizes) * self.grid.tokens(*self.base_hw)
+        self.reference_tokens = len(self.pair_sizes) * self.vanilla_pair_tokens
+
+    @property
+    def vanilla_pair_tokens(self) -> int:
+        """Tokens of one pair at the base size: base_hw in tokens, each side rounded to the grid
+        (half to even, as the processor re-rounds a 28 px base on Qwen3-VL's 32 px grid)."""
+        h, w = rounded_sides(self.base_hw, 1.0, self.grid)
+        return h * w
 
     @property
     def visual_tokens(self) -> int:
@@ -167,12 +237,18 @@ def plan_from_scales(
     pair_reduction: str = "mean",
     min_tokens_per_pair: int = 1,
     max_tokens_per_pair: int | None = None,
+    truncate_scaled_side: bool = False,
 ) -> ResizePlan:
-    """Resize plan for T frames with per-frame scales `scales` (linear, relative to `base_hw`)."""
+    """Resize plan for T frames with per-frame scales `scales` (linear, relative to `base_hw`).
+
+    truncate_scaled_side: size pairs as the authors' code does (`truncated_size`, the pair's scale
+    reduced in float32); else as the paper's text (`scaled_size`)."""
     scales = [float(s) for s in scales]
     groups = pair_frames(len(scales), grid.temporal_patch)
-    pair_scales = reduce_pair_scales(scales, groups, pair_reduction)
-    sizes = [scaled_size(base_hw, s, grid, min_tokens_per_pair, max_tokens_per_pair) for s in pair_scales]
+    dtype = np.float32 if truncate_scaled_side else np.float64
+    pair_scales = reduce_pair_scales(scales, groups, pair_reduction, dtype)
+    bounds = (min_tokens_per_pair, max_tokens_per_pair, truncate_scaled_side)
+    sizes = [pair_size(base_hw, float(s), grid, *bounds) for s in pair_scales]
     return ResizePlan(grid=grid, base_hw=tuple(base_hw), frame_scales=scales, pair_frames=groups, pair_sizes=sizes)
 
 
@@ -227,12 +303,18 @@ def fixed_scale_for_retention(
     the largest in-bounds u not above the target, the first scale above the cap. Each is found by
     bisection on u and a look at the few crossings around the step, in O(log(s_max / s_min)) plans.
     Raises `InfeasibleBudget` when every candidate exceeds the target.
+
+    Pairs sized as the authors' code does (`truncate_scaled_side`), or a base off the token grid,
+    break that structure: `uniform_scale_steps` lists every scale where such a plan can change
+    and the best is picked among them.
     """
     if not 0 < target:
         raise ValueError(f"retention must be positive, got {target}")
     if not 0 < s_min <= s_max < math.inf:
         raise ValueError(f"need 0 < s_min <= s_max < inf, got s_min={s_min}, s_max={s_max}")
     px = grid.token_px
+    if bounds.get("truncate_scaled_side") or base_hw[0] % px or base_hw[1] % px:
+        return fixed_scale_by_steps(target, num_frames, base_hw, grid, s_min, s_max, **bounds)
     sides = (base_hw[0] // px, base_hw[1] // px)
     vanilla = sides[0] * sides[1]
     cap = bounds.get("max_tokens_per_pair") or NO_CAP_TOKENS
@@ -294,6 +376,73 @@ def fixed_scale_for_retention(
         floor,
         f"fixed_scale (one scale in [{s_min:g}, {s_max:g}], {base_hw[0]}x{base_hw[1]} px base, {px} px tokens)",
     )
+
+
+MAX_SCALE_STEPS = 200_000  # candidate scales `fixed_scale_by_steps` tries at most
+
+
+def uniform_scale_steps(
+    base_hw: tuple[int, int], grid: TokenGrid, s_min: float, s_max: float, truncate: bool = False
+) -> list[float]:
+    """Every scale in [s_min, s_max] where the plan of one scale for all frames can change, and
+    the range ends, sorted. Truncated sides (the authors' rule) depend on the scale only through
+    int(side * float32(s)): the steps are the first float32 at which that reaches each integer m.
+    Rounded sides of a base off the grid change where side * s / token_px crosses k + 1/2: that
+    point and just around it (round half to even), as in `fixed_scale_for_retention`."""
+    px = grid.token_px
+    found = {float(s_min), float(s_max)}
+    for side in (int(base_hw[0]), int(base_hw[1])):
+        if truncate:
+            m = np.arange(max(1, math.floor(s_min * side)), math.ceil(s_max * side) + 1, dtype=np.float64)
+            c = (m / side).astype(np.float32)
+            up, down = np.float32(np.inf), np.float32(0)
+            for _ in range(4):  # float32(m / side) is within one step of the first float32 reaching m
+                c = np.where(np.floor(side * c.astype(np.float64)) < m, np.nextafter(c, up), c)
+                lower = np.nextafter(c, down)
+                c = np.where(np.floor(side * lower.astype(np.float64)) >= m, lower, c)
+            steps = c.astype(np.float64)
+        else:
+            k = np.arange(max(0, math.floor(s_min * side / px - 1)), math.ceil(s_max * side / px) + 1)
+            crossings = (k + 0.5) * px / side
+            steps = np.concatenate([crossings + d for d in CROSSING_OFFSETS])
+        found.update(float(c) for c in steps if s_min <= c <= s_max)
+        if len(found) > MAX_SCALE_STEPS:
+            raise ValueError(
+                f"s_max={s_max} leaves more than {MAX_SCALE_STEPS} candidate scales on a {base_hw[0]}x{base_hw[1]} "
+                "px base; use a smaller s_max or fixed_scale_rule=sqrt"
+            )
+    return sorted(found)
+
+
+def fixed_scale_by_steps(
+    target: float,
+    num_frames: int,
+    base_hw: tuple[int, int],
+    grid: TokenGrid,
+    s_min: float,
+    s_max: float,
+    **bounds,
+) -> float:
+    """`fixed_scale_for_retention` by trying every step of `uniform_scale_steps`: the step whose
+    plan has the largest R not above `target`, the smallest on ties. A plan of one scale has the
+    same R as one of its pairs, so each step costs one pair size. Raises `InfeasibleBudget`."""
+    truncate = bool(bounds.get("truncate_scaled_side"))
+    lo, hi = bounds.get("min_tokens_per_pair", 1), bounds.get("max_tokens_per_pair")
+    vanilla = plan_from_scales([1.0], base_hw, grid, **bounds).reference_tokens
+    best, floor = None, math.inf
+    for s in uniform_scale_steps(base_hw, grid, s_min, s_max, truncate):
+        r = grid.tokens(*pair_size(base_hw, s, grid, lo, hi, truncate)) / vanilla
+        floor = min(floor, r)
+        if r <= target and (best is None or r > best[0]):
+            best = (r, s)
+    if best is None:
+        raise InfeasibleBudget(
+            target,
+            floor,
+            f"fixed_scale (one scale in [{s_min:g}, {s_max:g}], {base_hw[0]}x{base_hw[1]} px base, "
+            f"{grid.token_px} px tokens)",
+        )
+    return best[1]
 
 
 @functools.lru_cache(maxsize=4096)

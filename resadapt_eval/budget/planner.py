@@ -13,7 +13,7 @@ import numpy as np
 
 from .plan import ResizePlan, TokenGrid, base_size, plan_from_scales, project_jointly
 from .policies import BudgetSpec
-from .selection import select_frames
+from .selection import select_frames, select_frames_even, select_pairs
 
 # Base-size bounds in tokens per frame: qwen-vl-utils' video cap (768); its 128-token video floor
 # is not applied, so small videos are not upscaled.
@@ -32,11 +32,13 @@ class Planner:
     max_pixels: int | None = None
 
     def base_hw(self, frame_hw: tuple[int, int]) -> tuple[int, int]:
-        """Base (vanilla) size in pixels of frames of `frame_hw` pixels."""
-        area = self.grid.token_px**2
+        """Base (vanilla) size in pixels of frames of `frame_hw` pixels, on the token grid or on
+        `spec.base_grid_px` (the default bounds then count tokens of that grid)."""
+        grid = self.grid if self.spec.base_grid_px is None else TokenGrid(token_px=self.spec.base_grid_px)
+        area = grid.token_px**2
         lo = self.min_pixels if self.min_pixels is not None else DEFAULT_MIN_TOKENS_PER_FRAME * area
         hi = self.max_pixels if self.max_pixels is not None else DEFAULT_MAX_TOKENS_PER_FRAME * area
-        return base_size(*frame_hw, self.grid, lo, hi)
+        return base_size(*frame_hw, grid, lo, hi)
 
     def plan(self, scales: Sequence[float], base_hw: tuple[int, int]) -> ResizePlan:
         """The resize plan of per-frame `scales` (linear, relative to `base_hw`)."""
@@ -64,9 +66,18 @@ class Planner:
         (`top_k` and/or scale >= `threshold`) are kept in time order, at the base size
         (`select`) or at their scales (`select_resize`), projected so the tokens stay within
         `retention` x the candidates' vanilla tokens. Returns (kept positions, their scales, the
-        candidates' vanilla tokens: the reference R is measured against, as the paper reports it)."""
-        positions = select_frames(raw, top_k, threshold)
+        candidates' vanilla tokens: the reference R is measured against, as the paper reports it).
+        Under `selection_rule=pairs` (the authors' code) `select` keeps the best frames rounded up
+        to an even count and `select_resize` the best adjacent pairs (`select_pairs`) at their
+        mean scores, without projection."""
         reference = self.vanilla_tokens(len(raw), base_hw)
+        if self.spec.selection_rule == "pairs":
+            if operator == "select":
+                positions = select_frames_even(raw, top_k, threshold, self.grid.temporal_patch)
+                return positions, np.ones(len(positions)), reference
+            positions, scales = select_pairs(raw, top_k, threshold, self.grid.temporal_patch)
+            return positions, scales, reference
+        positions = select_frames(raw, top_k, threshold)
         if operator == "select":
             return positions, np.ones(len(positions)), reference
         target = self.spec.retention

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import csv
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -16,6 +17,10 @@ TASK_METRICS = {
     "mmvu_val": [("accuracy", "mmvu")],
     "mlvu_dev": [("mlvu_percetion_score", "mlvu")],
     "video_mmmu": [("mmmu_acc", "videommmu")],
+    # the group's three tracks (table:capo_dist_ablation prints them as Per./Comp./Adap.)
+    "video_mmmu_perception": [("mmmu_acc", "videommmu_perception")],
+    "video_mmmu_comprehension": [("mmmu_acc", "videommmu_comprehension")],
+    "video_mmmu_adaptation": [("mmmu_acc", "videommmu_adaptation")],
     "lvbench": [("lvbench_score", "lvbench")],
     "resadapt_activitynet_tg": [
         ("r0.3", "activitynet_r0.3"),
@@ -106,6 +111,23 @@ class CellRun:
         """The cell ran the untrained Allocator (`allocator=untrained`)."""
         return any(r.get("allocator") == "untrained" for r in self.records)
 
+    def mean_scale(self) -> float | None:
+        """Mean per-frame scale the Allocator predicted (before any projection to the target R:
+        the sidecar's `raw_scales`, else `scales`) over the successful samples; the paper's s-bar."""
+        scales = [s for r in self.records if r["error"] is None for s in (r.get("raw_scales") or r.get("scales") or [])]
+        return sum(scales) / len(scales) if scales else None
+
+    def capo_variant(self) -> str | None:
+        """`beta-CAPO` / `N-CAPO` (table:capo_dist_ablation's names) for a ResAdapt cell whose one
+        Allocator checkpoint names its policy family; None otherwise (other methods, `untrained`)."""
+        checkpoints = {r.get("allocator") for r in self.records} - {None, "untrained"}
+        if self.method != "resadapt" or len(checkpoints) != 1:
+            return None
+        config = Path(checkpoints.pop()) / "config.json"  # allocator.model.CONFIG_NAME (not imported: no torch here)
+        if not config.is_file():
+            return None
+        return CAPO_VARIANTS.get(json.loads(config.read_text()).get("policy", "beta"))
+
 
 def sample_score(sample: dict) -> float | None:
     """A logged sample's score: the first metric value that is a number or holds a `score`."""
@@ -170,3 +192,85 @@ def collect(run_dir: str | Path, include_failed: bool = False) -> list[CellRun]:
                     run.outcomes[(task, int(sample["doc_id"]))] = score
         runs.append(run)
     return runs
+
+
+# --- table:capo_dist_ablation (`tables --paper`) -----------------------------------------------
+# The paper states no backbone, frames or R for it, so a cell is not matched to a paper row: the
+# paper's two rows and every ResAdapt cell with a known policy family sit side by side, no deltas.
+
+CAPO_ABLATION = "capo_dist_ablation"
+CAPO_VARIANTS = {"beta": "beta-CAPO", "logit_normal": "N-CAPO"}  # the Allocator's policy family -> the paper's name
+CAPO_ABLATION_COLUMNS = [
+    "videomme",
+    "longvideobench",
+    "mmvu",
+    "videommmu_perception",
+    "videommmu_comprehension",
+    "videommmu_adaptation",
+    "lvbench",
+]
+
+
+def capo_ablation_rows(runs: list[CellRun], paper_dir: Path) -> list[dict]:
+    """The paper's rows (`results/paper/capo_dist_ablation.csv`), then one row per done ResAdapt
+    cell whose Allocator's policy family is known: source, variant, card, frames, target, R,
+    mean_scale and the CAPO_ABLATION_COLUMNS (None where not run / not printed)."""
+    rows = []
+    path = Path(paper_dir) / f"{CAPO_ABLATION}.csv"
+    if path.is_file():
+        with open(path, newline="") as f:
+            for paper in csv.DictReader(f):
+                row = dict(source="paper", variant=paper["method"], card=None, frames=None, target=None, R=None)
+                row.update({c: _float(paper.get(c)) for c in ["mean_scale", *CAPO_ABLATION_COLUMNS]})
+                rows.append(row)
+    for run in runs:
+        variant = run.capo_variant() if run.status == "done" else None
+        if variant is None:
+            continue
+        row = dict(source="ours", variant=variant, card=run.card, frames=run.frames, target=run.retention)
+        row.update(R=run.achieved_retention(), mean_scale=run.mean_scale())
+        row.update({c: run.scores.get(c) for c in CAPO_ABLATION_COLUMNS})
+        rows.append(row)
+    return rows
+
+
+def capo_ablation_markdown(rows: list[dict]) -> str:
+    """Scores to 1 decimal, the mean scale to 2 (as printed), R in percent; — where missing."""
+
+    def fmt(value, digits=1):
+        return "—" if value is None else f"{value:.{digits}f}"
+
+    head = ["source", "variant", "card", "frames", "R", "mean_scale", *CAPO_ABLATION_COLUMNS]
+    lines = [
+        "### CAPO distribution family (paper table:capo_dist_ablation; its backbone, frames and R are not stated)",
+        "",
+        "| " + " | ".join(head) + " |",
+        "|" + "---|" * len(head),
+    ]
+    for row in rows:
+        frames = "—" if row["frames"] is None else str(row["frames"])
+        cells = [row["source"], row["variant"], row["card"] or "—", frames]
+        cells += ["—" if row["R"] is None else f"{100 * row['R']:.1f}%", fmt(row["mean_scale"], 2)]
+        cells += [fmt(row[c]) for c in CAPO_ABLATION_COLUMNS]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def write_capo_ablation(rows: list[dict], out: Path) -> list[Path]:
+    """`capo_dist_ablation.md` and `.csv` (full precision, R as a fraction) in `out`."""
+    out.mkdir(parents=True, exist_ok=True)
+    md, table = out / f"{CAPO_ABLATION}.md", out / f"{CAPO_ABLATION}.csv"
+    md.write_text(capo_ablation_markdown(rows))
+    with open(table, "w", newline="") as f:
+        fields = ["source", "variant", "card", "frames", "target", "R", "mean_scale", *CAPO_ABLATION_COLUMNS]
+        writer = csv.DictWriter(f, fieldnames=fields)
+        writer.writeheader()
+        writer.writerows(rows)
+    return [md, table]
+
+
+def _float(value) -> float | None:
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        return None
