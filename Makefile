@@ -11,7 +11,7 @@ VLLM_STAMP := $(VLLM_VENV)/.installed
 
 LINT_PATHS := resadapt_eval tests benchmarks
 
-.PHONY: demo test lint test-vllm fixtures clean
+.PHONY: demo test test-cli-matrix lint test-vllm fixtures clean
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -28,7 +28,12 @@ demo: $(STAMP)
 	$(VENV)/bin/resadapt-eval demo --out demo_out
 
 test: $(STAMP)
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q -m "not slow" tests
+
+# Every token-reducing method through the lmms-eval CLI on both tiny backbones at R=0.25 and 0.1
+# (about 45 lmms-eval runs; `make test` runs one per method).
+test-cli-matrix: $(STAMP)
+	$(PY) -m pytest -q tests/test_lmms_cli.py -k test_token_reducers_run_through_the_cli
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check $(LINT_PATHS)

@@ -11,6 +11,7 @@ lmms-eval is still importing.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Callable
 
@@ -34,7 +35,8 @@ from .budget import policies
 BEFORE_ENCODER = "before_encoder"  # resizes frames: fewer pixels enter the vision encoder
 AFTER_MERGER = "after_merger"  # encodes the vanilla plan, then drops/merges tokens before the LLM
 INSIDE_LLM = "inside_llm"  # prunes visual tokens between decoder layers
-STAGES = (BEFORE_ENCODER, AFTER_MERGER, INSIDE_LLM)
+IN_ENGINE = "in_engine"  # the serving engine drops merged tokens before the LLM (vLLM's video pruning)
+STAGES = (BEFORE_ENCODER, AFTER_MERGER, INSIDE_LLM, IN_ENGINE)
 
 # What `retention=` means to a method.
 NO_RETENTION = "none"  # the method has no target (vanilla): a retention is an error
@@ -53,12 +55,15 @@ class Method:
     acts (BEFORE_ENCODER, AFTER_MERGER, INSIDE_LLM); retention: NO/OPTIONAL/REQUIRED_RETENTION;
     needs_allocator: its scales come from the Allocator (`allocator=`, frame selection);
     needs_attention: its compressor reads the attention received in the last ViT block;
-    vllm: the vLLM engine can run it; images: it serves image requests; in_paper: one of the seven
-    methods the paper compares (the demo's default set).
+    hf: the HF classes can run it; vllm: the vLLM engine can run it; images: it serves image
+    requests; in_paper: one of the seven methods the paper compares (the demo's default set).
     policy: per-frame scales `(num_frames, base_hw, grid, spec) -> (T,)` for methods that do not
     use the Allocator; compress: `(VisualTokens, keep, seed) -> assignment` for AFTER_MERGER methods;
     prune: `(num_layers, visual, retention, layers, first_layer) -> [Stage]` for INSIDE_LLM methods
-    (`baselines/inside_llm.py`: retention is layer-averaged).
+    (`baselines/inside_llm.py`: retention is layer-averaged), and for an AFTER_MERGER method with
+    a second stage inside the LLM (its own share of the tokens that entered; the compressor keeps
+    what leaves the layer average within R); engine_pruning: for IN_ENGINE
+    methods, vLLM's `video_pruning_method`, run at `video_pruning_rate` = 1 - retention.
     """
 
     name: str
@@ -68,11 +73,13 @@ class Method:
     retention: str
     needs_allocator: bool = False
     needs_attention: bool = False
+    hf: bool = True
     vllm: bool = False
     images: bool = False
     policy: Callable | None = None
     compress: Callable | None = None
     prune: Callable | None = None
+    engine_pruning: str | None = None
     aliases: tuple[str, ...] = ()
     in_paper: bool = False
 
@@ -83,10 +90,23 @@ class Method:
             raise ValueError(f"{self.name}: retention must be one of {RETENTION_RULES}, got {self.retention!r}")
         if (self.compress is not None) != (self.stage == AFTER_MERGER):
             raise ValueError(f"{self.name}: a compressor is what an {AFTER_MERGER} method runs, and only it")
-        if (self.prune is not None) != (self.stage == INSIDE_LLM):
-            raise ValueError(f"{self.name}: a pruning schedule is what an {INSIDE_LLM} method runs, and only it")
+        if self.stage == INSIDE_LLM and self.prune is None:
+            raise ValueError(f"{self.name}: an {INSIDE_LLM} method runs a pruning schedule")
+        if self.prune is not None and self.stage not in (AFTER_MERGER, INSIDE_LLM):
+            raise ValueError(f"{self.name}: only a compressor or an {INSIDE_LLM} method has stages inside the LLM")
+        if (self.engine_pruning is not None) != (self.stage == IN_ENGINE):
+            raise ValueError(f"{self.name}: an engine's pruning method is what an {IN_ENGINE} method runs, and only it")
+        if self.stage == IN_ENGINE and (self.hf or not self.vllm):
+            raise ValueError(f"{self.name}: an {IN_ENGINE} method runs on the vLLM engine only")
         if (self.policy is None) != self.needs_allocator:
             raise ValueError(f"{self.name}: give a scale policy, or take the scales from the Allocator")
+
+    def pruning_rate(self, retention: float) -> float:
+        """An IN_ENGINE method's `video_pruning_rate` for a target retention R: 1 - R, or the float
+        just below it where 1 - (1 - R) falls short of R in floating point, so that the engine keeps
+        floor(R N) tokens, the most within R, as every compressor here does."""
+        rate = 1.0 - retention
+        return math.nextafter(rate, 0.0) if 1.0 - rate < retention else rate
 
     def model_names(self, backbone: str) -> list[str]:
         """lmms-eval model names of this method on `backbone`, the primary name first."""
@@ -112,8 +132,15 @@ def get_method(name: str) -> Method:
 
 
 def _compressor(
-    name: str, display_name: str, class_stem: str, module, needs_attention: bool = False, in_paper: bool = False
+    name: str,
+    display_name: str,
+    class_stem: str,
+    module,
+    needs_attention: bool = False,
+    in_paper: bool = False,
+    inside_llm: bool = False,
 ) -> Method:
+    """A compressor after the merger (`module.compress`); `inside_llm`: its own LLM stage too (`module.stages`)."""
     return Method(
         name,
         display_name,
@@ -121,6 +148,7 @@ def _compressor(
         AFTER_MERGER,
         REQUIRED_RETENTION,
         compress=module.compress,
+        prune=module.stages if inside_llm else None,
         policy=policies.vanilla,
         needs_attention=needs_attention,
         in_paper=in_paper,
@@ -153,11 +181,24 @@ register(_compressor("flashvid", "FlashVid", "FlashVid", flashvid, needs_attenti
 register(_compressor("divprune", "DivPrune", "DivPrune", divprune))
 register(_compressor("vidcom2", "VidCom2", "VidCom2", vidcom2))
 register(_compressor("dycoke", "DyCoke", "DyCoke", dycoke))
-register(_compressor("prunevid", "PruneVid", "PruneVid", prunevid))
+register(_compressor("prunevid", "PruneVid", "PruneVid", prunevid, inside_llm=True))
 register(_compressor("fastvid", "FastVID", "FastVID", fastvid, needs_attention=True))
-register(_compressor("holitom", "HoliTom", "HoliTom", holitom, needs_attention=True))
+register(_compressor("holitom", "HoliTom", "HoliTom", holitom, needs_attention=True, inside_llm=True))
 register(_pruner("fastv", "FastV", "FastV", fastv))
 register(_pruner("pyramiddrop", "PyramidDrop", "PyramidDrop", pyramiddrop))
+register(
+    Method(
+        "evs",
+        "EVS",
+        "EVS",
+        IN_ENGINE,
+        REQUIRED_RETENTION,
+        policy=policies.vanilla,
+        hf=False,
+        vllm=True,
+        engine_pruning="evs",
+    )
+)
 register(
     Method(
         "fixed_scale",

@@ -19,12 +19,13 @@ import numpy as np
 import torch
 
 from .backbones.layout import Backbone, EngineOutput
+from .baselines.inside_llm import entering_tokens
 from .budget.plan import ResizePlan
 from .budget.planner import Planner
 from .budget.policies import BudgetSpec
 from .budget.selection import OPERATORS
 from .compute.counting import CountedCall
-from .methods import BEFORE_ENCODER, INSIDE_LLM, METHODS, NO_RETENTION, REQUIRED_RETENTION, get_method
+from .methods import BEFORE_ENCODER, IN_ENGINE, INSIDE_LLM, METHODS, NO_RETENTION, REQUIRED_RETENTION, get_method
 from .record import SampleRecord, build_record
 from .video import DecodedVideo, decode_video, read_image
 
@@ -57,7 +58,7 @@ class VideoPipelineConfig:
 
     def __post_init__(self):
         method = get_method(self.method)
-        if self.prune_layers is not None and method.stage != INSIDE_LLM:
+        if self.prune_layers is not None and method.prune is None:
             raise ValueError(f"prune_layers= is only used by methods that prune inside the LLM, not {self.method!r}")
         if self.prune_layers is not None:
             try:
@@ -201,7 +202,18 @@ class VideoPipeline:
 
     def __init__(self, backbone: Backbone, config: VideoPipelineConfig):
         self.backbone, self.config, self.method = backbone, config, get_method(config.method)
-        if self.method.stage != BEFORE_ENCODER and not backbone.compresses_tokens:
+        pruning = (backbone.video_pruning_method, backbone.video_pruning_rate)
+        if self.method.stage == IN_ENGINE:
+            wanted = (self.method.engine_pruning, self.method.pruning_rate(config.budget.retention))
+            if pruning != wanted:
+                raise ValueError(
+                    f"method={config.method} at retention={config.budget.retention} needs an engine pruning video "
+                    f"tokens with {wanted[0]} at rate {wanted[1]}; {type(backbone).__name__} prunes with {pruning}: "
+                    "run it on the vLLM classes"
+                )
+        elif pruning[0] is not None and pruning[1]:
+            raise ValueError(f"method={config.method} does not prune, but this engine prunes video tokens: {pruning}")
+        elif self.method.stage != BEFORE_ENCODER and not backbone.compresses_tokens:
             raise ValueError(
                 f"method={config.method} compresses visual tokens inside the model, which {type(backbone).__name__} "
                 "does not expose: run it on the HF path"
@@ -363,24 +375,41 @@ class VideoPipeline:
                 payload = self.backbone.build_pruned_inputs(
                     payload, self.method.prune, self.config.budget.retention, self.config.pruning_layers
                 )
+            elif self.method.stage == IN_ENGINE:  # the engine drops tokens after the merger
+                payload = self.backbone.build_inputs(request.prompt, video, plan, pairs)
+                visual = self.backbone.pruned_visual_tokens(plan)
             elif self.method.compress is None:
                 payload, visual = self.backbone.build_inputs(request.prompt, video, plan, pairs), plan.visual_tokens
             else:
-                timer = self.backbone.vision_timer
+                timer, retention = self.backbone.vision_timer, self.config.budget.retention
+                if self.method.prune is not None:  # a stage inside the LLM follows: keep what leaves R in reach
+                    retention = self.entering_share(plan)
                 with timer.recording():
                     payload, sizes = self.backbone.build_compressed_inputs(
                         request.prompt,
                         video,
                         plan,
                         compressor,
-                        self.config.budget.retention,
+                        retention,
                         seed=self.config.compression_seed,
                         needs_attention=self.method.needs_attention,
                         pairs=pairs,
                     )
                 merged, vision_s = tuple(sizes.tolist()), timer.take()
                 visual = len(merged)
+                if self.method.prune is not None:
+                    payload = self.backbone.build_pruned_inputs(
+                        payload, self.method.prune, self.config.budget.retention, self.config.pruning_layers
+                    )
         return Built(payload, visual, merged, resize_s, time.perf_counter() - t0, compressor.flops, vision_s)
+
+    def entering_share(self, plan: ResizePlan) -> float:
+        """For a compressor followed by the method's own stage inside the LLM: the share of the
+        plan's N tokens the compressor keeps, the most whose layer average stays within R."""
+        n, pairs = plan.visual_tokens, len(plan.grids)
+        backbone, layers = self.backbone, self.config.pruning_layers
+        args = (self.method.prune, self.config.budget.retention, n, pairs, backbone.num_text_layers, layers)
+        return entering_tokens(*args, backbone.first_prunable_layer) / n
 
     def generate(self, requests: list[Request], built: dict[int, Built], failed: dict) -> dict[int, Generated]:
         """Generate every built request in one engine call (its time shared equally); a prompt

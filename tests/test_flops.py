@@ -42,7 +42,7 @@ COUNTED = [
     ("vanilla", None),
     ("fixed_scale", 0.25),
     ("resadapt", 0.25),
-    *[(name, 0.25) for name, method in METHODS.items() if method.stage != BEFORE_ENCODER],
+    *[(name, 0.25) for name, method in METHODS.items() if method.stage != BEFORE_ENCODER and method.hf],
 ]
 PRUNE_LAYERS = {"fastv": "1", "pyramiddrop": "1,2,3"}  # early enough for R=0.25 on the 12-layer fixtures
 
@@ -237,3 +237,14 @@ def test_ranking_inside_the_llm_from_configs_equals_the_counted_one(eager_adapte
     prompts = [record.input_tokens - record.visual_tokens + n for n in record.layer_visual_tokens]
     stages = [int(layer) for layer in PRUNE_LAYERS[method].split(",")]
     assert record.method_flops == sum(ranking_flops(text, prompts[s - 1]) for s in stages)
+
+
+def test_evs_is_counted_as_its_cosines_and_the_tokens_vllm_keeps():
+    """EVS (inside vLLM) by formula: 6 d FLOPs (three d-long dot products) per token of every pair after the first."""
+    dims = load_dims("qwen25vl-7b")
+    grids = [(1, 24, 30)] * 8  # 8 pairs of 720 tokens
+    assert method_flops(get_method("evs"), dims, grids, 0.25) == 7 * 720 * 6 * dims.vision.out_hidden
+    flops, visual = row_flops(dims, "evs", 16, (672, 840), retention=0.25)
+    vanilla, reference = row_flops(dims, "vanilla", 16, (672, 840))
+    assert visual == reference // 4 and flops.vision == vanilla.vision  # the tower sees every token
+    assert flops.method == 7 * 720 * 6 * 3584  # Qwen2.5-VL-7B's merger output is 3584 wide

@@ -209,20 +209,26 @@ def test_resadapt_with_the_untrained_allocator_runs_within_budget(fixtures_dir, 
 
 
 REDUCERS = [name for name, method in METHODS.items() if method.stage in (AFTER_MERGER, INSIDE_LLM)]
+TURNS = (("qwen25vl", 0.25), ("qwen3vl", 0.1))
 
 
-# Every token-reducing method through the CLI once, the methods taking turns at (qwen25vl, R=0.25)
-# and (qwen3vl, R=0.1); every method on both backbones at both R runs in process through the same
-# code (test_baselines.py, test_inside_llm.py): the house rule of one CLI run per covered path.
-@pytest.mark.parametrize(
-    "method,backbone,retention",
-    [(m, *(("qwen25vl", 0.25), ("qwen3vl", 0.1))[i % 2]) for i, m in enumerate(REDUCERS)],
-)
+def reducer_runs():
+    """Every token-reducing method on both backbones at R=0.25 and 0.1. `make test` runs each method
+    once, the methods taking turns at (qwen25vl, 0.25) and (qwen3vl, 0.1), since every method runs on
+    both backbones at both R in process through the same code (test_baselines.py, test_inside_llm.py,
+    test_two_stage.py); the other runs are marked slow (`make test-cli-matrix`)."""
+    for i, method in enumerate(REDUCERS):
+        for backbone, retention in (("qwen25vl", 0.25), ("qwen25vl", 0.1), ("qwen3vl", 0.25), ("qwen3vl", 0.1)):
+            slow = (backbone, retention) != TURNS[i % 2]
+            yield pytest.param(method, backbone, retention, marks=[pytest.mark.slow] if slow else [])
+
+
+@pytest.mark.parametrize("method,backbone,retention", list(reducer_runs()))
 def test_token_reducers_run_through_the_cli_at_exact_budgets(fixtures_dir, tmp_path, method, backbone, retention):
     # The fixed-method names (e.g. tome_qwen3vl) share the default prompt with every other method.
     model_args = dict(pretrained=fixtures_dir / backbone, retention=retention, max_num_frames=8, device="cpu")
-    inside = METHODS[method].stage == INSIDE_LLM
-    if inside:  # stage layers early enough for R=0.1 on the 12-layer fixtures
+    spec = METHODS[method]
+    if spec.stage == INSIDE_LLM:  # stage layers early enough for R=0.1 on the 12-layer fixtures
         model_args["prune_layers"] = "1" if method == "fastv" else "1;2;3"
     proc = run_lmms_eval(f"{method}_{backbone}", model_args, tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -231,11 +237,15 @@ def test_token_reducers_run_through_the_cli_at_exact_budgets(fixtures_dir, tmp_p
     for r in records:
         assert r["error"] is None and r["method"] == method
         assert retention - 0.01 <= r["achieved_retention"] <= retention
-        if inside:  # every visual token enters the LLM; R is their layer average
+        if spec.stage == INSIDE_LLM:  # every visual token enters the LLM; R is their layer average
             assert r["visual_tokens"] == r["reference_tokens"] == r["layer_visual_tokens"][0]
-            assert r["achieved_retention"] == sum(r["layer_visual_tokens"]) / 12 / r["reference_tokens"]
+        elif spec.prune is not None:  # the compressor's tokens enter, then the method's own stage inside
+            assert r["visual_tokens"] == len(r["merged_sizes"]) == r["layer_visual_tokens"][0]
+            assert min(r["layer_visual_tokens"]) < r["visual_tokens"] < r["reference_tokens"]
         else:  # the most tokens within R
             assert r["visual_tokens"] == len(r["merged_sizes"]) == int(r["reference_tokens"] * retention + 1e-9)
+        if spec.prune is not None:
+            assert r["achieved_retention"] == sum(r["layer_visual_tokens"]) / 12 / r["reference_tokens"]
 
 
 def test_frame_selection_runs_through_the_cli_with_the_frame_budget(fixtures_dir, tmp_path):
@@ -273,6 +283,13 @@ def test_vllm_models_are_registered_and_say_what_they_need(fixtures_dir):
     assert get_model("resadapt_qwen3vl_vllm") is ResAdaptQwen3VLVLLM
     with pytest.raises(ValueError, match="HF path"):
         ResAdaptQwen25VLVLLM(pretrained=str(fixtures_dir / "qwen25vl"), method="visionzip", retention=0.25)
+    # vLLM's own pruning: its model names are vLLM classes, and the HF classes refuse it before loading
+    from resadapt_eval.lmms.models import ResAdaptQwen25VL
+    from resadapt_eval.lmms.vllm_models import EVSQwen3VL
+
+    assert get_model("evs_qwen3vl") is EVSQwen3VL and issubclass(EVSQwen3VL, ResAdaptQwen3VLVLLM)
+    with pytest.raises(ValueError, match="runs on the vLLM classes"):
+        ResAdaptQwen25VL(pretrained="no-such-checkpoint", method="evs", retention=0.25)
     if find_spec("vllm") is None:  # this environment: the error names the environment to build
         with pytest.raises(ImportError, match="make test-vllm"):
             ResAdaptQwen3VLVLLM(pretrained=str(fixtures_dir / "qwen3vl"), method="vanilla")

@@ -1,5 +1,6 @@
 """The method registry: one declaration per method, read by every surface."""
 
+from importlib import import_module
 from pathlib import Path
 
 import numpy as np
@@ -46,11 +47,11 @@ def surfaces(name: str, backbone: str = "qwen25vl") -> dict:
     table row, plot legend."""
     from lmms_eval.models import MODEL_REGISTRY_V2, get_model
 
-    from resadapt_eval.lmms import manifests, models
+    from resadapt_eval.lmms import manifests
 
     model_name = get_method(name).model_names(backbone)[0]
-    class_path = manifests.model_names()[model_name][0]
-    cls = getattr(models, class_path.rsplit(".", 1)[1])
+    module, class_name = manifests.model_names()[model_name][0].rsplit(".", 1)
+    cls = getattr(import_module(module), class_name)
     card = ModelCard(name="card", backbone=backbone, pretrained="ckpt", allocator="untrained")
     (cell, *_) = plan_cells([name], [0.25], [8])
     command = cell_command(card, cell, ["task"], Path("out"))
@@ -123,7 +124,8 @@ def test_paper_order_and_properties_come_from_the_registry():
     assert list(METHODS)[-2:] == ["fixed_scale", "resadapt"]
     paper = ["vanilla", "random_drop", "tome", "visionzip", "flashvid", "fixed_scale", "resadapt"]
     assert [m for m, spec in METHODS.items() if spec.in_paper] == paper  # the demo's default set
-    assert [m for m, spec in METHODS.items() if spec.vllm] == ["vanilla", "fixed_scale", "resadapt"]
+    assert [m for m, spec in METHODS.items() if spec.vllm] == ["vanilla", "evs", "fixed_scale", "resadapt"]
+    assert [m for m, spec in METHODS.items() if not spec.hf] == ["evs"]  # vLLM's own pruning
     assert {m for m, spec in METHODS.items() if spec.needs_attention} == {"visionzip", "flashvid", "fastvid", "holitom"}
     assert plan_cells(["vanilla", "tome"], [0.5, 0.25], [8])[0].retention is None  # vanilla once, no target
     assert len(plan_cells(["vanilla", "tome"], [0.5, 0.25], [8])) == 3

@@ -2,9 +2,11 @@
 
 import numpy as np
 import pytest
+import torch
 from PIL import Image
 
 from resadapt_eval.budget.policies import BudgetSpec
+from resadapt_eval.methods import get_method
 from resadapt_eval.pipeline import Request, VideoPipeline, VideoPipelineConfig
 from resadapt_eval.video import VideoDecodeError
 
@@ -106,3 +108,20 @@ def test_a_batch_answers_as_its_requests_do_one_at_a_time(adapters, fixtures_dir
         assert text == alone_text
         np.testing.assert_allclose(record.raw_scales, alone.raw_scales, atol=1e-5)
         assert (record.grids, record.visual_tokens) == (alone.grids, alone.visual_tokens)
+
+
+def test_an_engine_that_prunes_runs_only_its_pruning_method(adapters):
+    """vLLM's EVS needs an engine pruning at the rate for its R; no other method may run on such an engine."""
+    with pytest.raises(ValueError, match="needs an engine pruning video tokens with evs at rate 0.75"):
+        VideoPipeline(adapters["qwen25vl"], VideoPipelineConfig(method="evs", budget=BudgetSpec(retention=0.25)))
+
+    class PruningEngine:  # what VideoPipeline reads of a vLLM engine built for evs at R=0.1
+        layout, device, compresses_tokens = adapters["qwen25vl"].layout, torch.device("cpu"), False
+        video_pruning_method, video_pruning_rate = "evs", get_method("evs").pruning_rate(0.1)
+
+    assert 1.0 - PruningEngine.video_pruning_rate >= 0.1  # floor(R N) tokens are kept, not one fewer
+    VideoPipeline(PruningEngine(), VideoPipelineConfig(method="evs", budget=BudgetSpec(retention=0.1)))
+    with pytest.raises(ValueError, match="needs an engine pruning"):
+        VideoPipeline(PruningEngine(), VideoPipelineConfig(method="evs", budget=BudgetSpec(retention=0.25)))
+    with pytest.raises(ValueError, match="does not prune, but this engine prunes"):
+        VideoPipeline(PruningEngine(), VideoPipelineConfig(method="vanilla"))

@@ -143,33 +143,105 @@ def test_resadapt_batches_the_allocator_over_the_chunk(engines, fixtures_dir):
         assert record.visual_tokens == sum(t * h * w for t, h, w in record.grids)
 
 
-@pytest.mark.parametrize("backbone", ["qwen25vl", "qwen3vl"])
-def test_lmms_eval_cli_runs_the_vllm_models_within_budget(fixtures_dir, tmp_path, backbone):
+# FixedScale on both backbones; vLLM's EVS (Qwen2.5-VL; vLLM cannot run it on Qwen3-VL here) at both R
+@pytest.mark.parametrize(
+    "model,method,retention,frames",
+    [
+        ("resadapt_qwen25vl_vllm", "fixed_scale", 0.25, 8),
+        ("resadapt_qwen3vl_vllm", "fixed_scale", 0.25, 8),
+        ("evs_qwen25vl", "evs", 0.25, 32),
+        ("evs_qwen25vl", "evs", 0.1, 32),
+    ],
+)
+def test_lmms_eval_cli_runs_the_vllm_models_within_budget(fixtures_dir, tmp_path, model, method, retention, frames):
     import subprocess
 
     from .conftest import REPO
 
     model_args = dict(
-        pretrained=fixtures_dir / backbone,
-        method="fixed_scale",
-        retention=0.25,
-        max_num_frames=8,
+        pretrained=fixtures_dir / model.split("_")[1],
+        retention=retention,
+        max_num_frames=frames,
         device="cpu",
         dtype="float32",
         kv_cache_memory_bytes=KV_CACHE_BYTES,
     )
-    cmd = lmms_eval_command(
-        f"resadapt_{backbone}_vllm", model_args, "resadapt_smoke_videoqa", str(REPO / "tasks"), tmp_path
-    )
+    if model.startswith("resadapt_"):
+        model_args["method"] = method
+    cmd = lmms_eval_command(model, model_args, "resadapt_smoke_videoqa", str(REPO / "tasks"), tmp_path)
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
     records = sidecar_records(tmp_path)
     assert len(records) == len((fixtures_dir / "smoke_videoqa" / "test.jsonl").read_text().splitlines())
     for r in records:
-        assert r["error"] is None and r["method"] == "fixed_scale"
-        assert 0.20 <= r["achieved_retention"] <= 0.25
-        assert r["visual_tokens"] == sum(t * h * w for t, h, w in r["grids"])
+        assert r["error"] is None and r["method"] == method and r["num_frames"] == frames
+        if method == "evs":  # vLLM keeps floor(R N) of the vanilla tokens, counted in its own prompt
+            assert r["visual_tokens"] == int(r["reference_tokens"] * retention)
+            assert retention - 0.01 <= r["achieved_retention"] <= retention
+        else:
+            assert 0.20 <= r["achieved_retention"] <= 0.25
+            assert r["visual_tokens"] == sum(t * h * w for t, h, w in r["grids"])
     assert list(tmp_path.rglob("*_results.json")), "lmms-eval wrote no results JSON"
+
+
+def smoke_jobs(engine, videos, max_new_tokens=2):
+    prompt = engine.processor.apply_chat_template(
+        [{"role": "user", "content": [{"type": "video"}, {"type": "text", "text": "What colour is the square?"}]}],
+        tokenize=False,
+        add_generation_prompt=True,
+    )
+    return [
+        Request(prompt, video=str(v), gen_kwargs=dict(max_new_tokens=max_new_tokens), doc_id=i, task="t")
+        for i, v in enumerate(videos)
+    ]
+
+
+def test_evs_keeps_vllms_count_and_refuses_what_it_cannot_reach(fixtures_dir):
+    from resadapt_eval.methods import get_method
+
+    evs = get_method("evs")
+    engine = VLLMBackbone(
+        "qwen25vl",
+        str(fixtures_dir / "qwen25vl"),
+        max_num_frames=32,
+        dtype="float32",
+        kv_cache_memory_bytes=KV_CACHE_BYTES,
+        video_pruning_method="evs",
+        video_pruning_rate=evs.pruning_rate(0.25),
+    )
+    videos = sorted((fixtures_dir / "smoke_videoqa" / "videos").glob("*.mp4"))[:3]
+    for frames in (32, 8):  # 16 and 4 frame pairs
+        config = VideoPipelineConfig(method="evs", max_num_frames=frames, budget=BudgetSpec(retention=0.25))
+        for _, record in VideoPipeline(engine, config).run_batch(smoke_jobs(engine, videos)):
+            assert record.error is None and record.num_frames == frames
+            # vLLM's prompt (counted by the pipeline, which fails a sample whose count differs from vLLM's
+            # rule) holds floor(R N) placeholders; vLLM keeps the first pair whole, all of R at 4 pairs
+            assert record.visual_tokens == int(record.reference_tokens * 0.25) >= record.reference_tokens / (frames / 2)
+            assert 0.24 <= record.achieved_retention <= 0.25
+            assert record.merged_sizes is None and record.layer_visual_tokens is None
+    # 3 pairs: the first pair alone is 1/3 of the tokens, above R=0.25
+    config = VideoPipelineConfig(method="evs", max_num_frames=6, budget=BudgetSpec(retention=0.25))
+    (_, record), *_ = VideoPipeline(engine, config).run_batch(smoke_jobs(engine, videos[:1]))
+    assert "below the reachable floor R=0.3333 of vLLM's evs" in record.error
+    with pytest.raises(ValueError, match="cannot run Qwen3-VL"):
+        VLLMBackbone("qwen3vl", str(fixtures_dir / "qwen3vl"), 8, video_pruning_method="evs", video_pruning_rate=0.75)
+
+
+def test_evs_at_retention_1_is_vanilla(engines, fixtures_dir, monkeypatch):
+    """EVS at R=1 prunes at rate 0, which passes no pruning to vLLM: the vanilla engine and request path."""
+    engine = engines["qwen25vl"]
+    monkeypatch.setattr(engine, "video_pruning_method", "evs")
+    monkeypatch.setattr(engine, "video_pruning_rate", 0.0)
+    assert not engine.prunes_video
+    videos = sorted((fixtures_dir / "smoke_videoqa" / "videos").glob("*.mp4"))[:2]
+    runs = {}
+    for method, retention in (("vanilla", None), ("evs", 1.0)):
+        config = VideoPipelineConfig(method=method, max_num_frames=8, budget=BudgetSpec(retention=retention))
+        runs[method] = VideoPipeline(engine, config).run_batch(smoke_jobs(engine, videos, max_new_tokens=4))
+    for (text, record), (vanilla_text, vanilla) in zip(runs["evs"], runs["vanilla"]):
+        assert record.error is None and text == vanilla_text
+        assert record.visual_tokens == vanilla.visual_tokens == record.reference_tokens
+        assert record.achieved_retention == 1.0 and record.input_tokens == vanilla.input_tokens
 
 
 def test_profile_on_the_vllm_engine(fixtures_dir, tmp_path):

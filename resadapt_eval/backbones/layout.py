@@ -90,6 +90,10 @@ class QwenLayout:
     def pair_metadata(self, video: DecodedVideo, plan: ResizePlan) -> list[VideoMetadata]:
         raise NotImplementedError
 
+    def video_metadata(self, video: DecodedVideo) -> VideoMetadata:
+        """Metadata of `video`'s frames as one stock video item (uniformly sampled frames)."""
+        raise NotImplementedError
+
 
 class Qwen25VLLayout(QwenLayout):
     family = "qwen25vl"
@@ -108,6 +112,11 @@ class Qwen25VLLayout(QwenLayout):
         )
         return [VideoMetadata(total_num_frames=2, fps=self.temporal_patch / gap, frames_indices=[0, 1]) for gap in gaps]
 
+    def video_metadata(self, video: DecodedVideo) -> VideoMetadata:
+        """The sampled frames at their sampling rate: `second_per_grid_ts` = 2 / sampled_fps."""
+        n = len(video.indices)
+        return VideoMetadata(total_num_frames=n, fps=video.sampled_fps, frames_indices=list(range(n)))
+
 
 class Qwen3VLLayout(QwenLayout):
     family = "qwen3vl"
@@ -123,6 +132,10 @@ class Qwen3VLLayout(QwenLayout):
             )
             for group in plan.pair_frames
         ]
+
+    def video_metadata(self, video: DecodedVideo) -> VideoMetadata:
+        """The frames' indices in the file: the stock timestamps before each pair."""
+        return VideoMetadata(total_num_frames=video.total_frames, fps=video.fps, frames_indices=list(video.indices))
 
 
 LAYOUTS = {layout.family: layout for layout in (Qwen25VLLayout, Qwen3VLLayout)}
@@ -152,7 +165,10 @@ class Backbone(Protocol):
     """What `VideoPipeline` needs from an engine (the HF adapter, `VLLMBackbone`).
 
     layout: its `QwenLayout`; device: where the Allocator runs; compresses_tokens: it can run
-    AFTER_MERGER methods; serves_images: it answers image requests. `build_*` return the engine's
+    AFTER_MERGER methods; serves_images: it answers image requests; video_pruning_method: the
+    engine's own video pruning (an IN_ENGINE method's `engine_pruning`), None when it has none,
+    at video_pruning_rate (the fraction of video tokens it drops);
+    where it has one, `pruned_visual_tokens(plan)` counts the tokens of `plan` it keeps. `build_*` return the engine's
     request for one sample, from frames already resized by the layout; `generate_batch` answers
     several, an `EngineOutput` each. vision_timer: times the vision tower where it runs outside
     `generate_batch` (a compressor's encode); None where the engine does not expose its tower.
@@ -163,6 +179,10 @@ class Backbone(Protocol):
     compresses_tokens: bool
     vision_timer: object | None
     serves_images: bool
+    video_pruning_method: str | None
+    video_pruning_rate: float | None
+
+    def pruned_visual_tokens(self, plan: ResizePlan) -> int: ...
 
     def build_inputs(
         self, prompt: str, video: DecodedVideo, plan: ResizePlan, pairs: list[torch.Tensor] | None = None

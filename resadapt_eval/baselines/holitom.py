@@ -1,4 +1,4 @@
-"""HoliTom (Shao et al., NeurIPS 2025), its outer-LLM stage, on Qwen's merged tokens with pairs as frames.
+"""HoliTom (Shao et al., NeurIPS 2025): outer-LLM merging on Qwen's merged tokens, pairs as frames; inner-LLM merging.
 
 As the paper states it, HoliTom merges video tokens before the LLM in three steps:
 
@@ -24,9 +24,17 @@ queries) and scripts/eval_ov-7b_holitom.sh (tau = 0.8, D = 0, K = 7).
 
 Deviations from the reference:
 
-- Only the outer-LLM stage: HoliTom's inner-LLM merging (visual tokens merged by similarity at LLM
-  layer HOLITOM_k) acts inside the LLM and is not part of this compressor. Exactly `keep` tokens
-  enter the LLM, and that is the R recorded.
+- Inner-LLM merging (`stages`, holitom/modeling_qwen2.py of the code, HOLITOM_k = 18 of
+  LLaVA-OneVision-7B's 28 layers, HOLITOM_r = 0.5): before layer K the visual tokens are ranked by
+  the last token's attention in layer K - 1 (mean over heads), the top round((1 - r) n) stay, and
+  each other one is averaged into its most cosine-similar kept token, (kept + dropped) / 2 in token
+  order, as the reference loops. Here K is at the same relative depth, round(18 L / 28) (8 of the
+  tiny 12), after Qwen3-VL's deepstack layers, or at `prune_layers`; kept tokens keep their
+  original M-RoPE positions (the reference's positions are the kept indices too).
+- Budget: the retention R is layer-averaged over both stages (the README's rule). The inner stage
+  keeps its paper share (or R of the tokens where R is larger, so that R = 1 keeps every token), and
+  the outer stage keeps the most tokens that leave the layer average within R
+  (`inside_llm.entering_tokens`).
 - Budget: the reference keeps ceil(r' n) of each frame's dynamic tokens and round(r' m) of a
   window's m static tokens, r' = R N / (N - saved). Here `keep` is apportioned over these sets in
   proportion to their sizes (largest remainder), at least one token to each pair's dynamic set, so
@@ -61,9 +69,12 @@ import torch
 import torch.nn.functional as F
 
 from .common import DROPPED, VisualTokens, check_keep, density_peaks, top
+from .inside_llm import Stage, check_layers, scaled_layer
 
 TAU = 0.8  # a position is static across a step when its tokens' cosine exceeds tau
 DENSITY_K = 7  # DPC-kNN neighbours, at most the number of centres (the token itself included)
+INNER_LAYER, INNER_LAYERS = 18, 28  # HOLITOM_k of LLaVA-OneVision-7B's 28 layers
+INNER_MERGE = 0.5  # HOLITOM_r: the share of the visual tokens merged away at the inner stage
 
 
 @dataclass
@@ -255,3 +266,16 @@ def compress(tokens: VisualTokens, keep: int, seed: int = 0) -> torch.Tensor:
         if len(w.strength):
             merge_static(w, feats, count, assignment)
     return assignment
+
+
+def stages(
+    num_layers: int, visual: int, retention: float, layers: list[int] | None = None, first_layer: int = 0
+) -> list[Stage]:
+    """The inner-LLM merging: from layer round(18 L / 28) (or `layers`) on, round(max(0.5, R) n) of
+    the `visual` tokens, the others merged into them (the paper's share; R where larger, so that
+    R = 1 keeps every token). The outer stage is sized for the layer-averaged R
+    (`inside_llm.entering_tokens`)."""
+    (layer,) = layers or [scaled_layer(INNER_LAYER, INNER_LAYERS, num_layers, first_layer)]
+    check_layers([layer], num_layers, first_layer)
+    keep = min(visual, max(1, round(visual * max(1 - INNER_MERGE, retention))))
+    return [Stage(layer, keep, merge=True)]

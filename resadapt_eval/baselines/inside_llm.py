@@ -15,7 +15,10 @@ layers: a stage must come after them (`first_layer`).
 
 Retention (one rule for every method, see the README): R is the layer-averaged share of visual
 tokens, sum over layers of the visual tokens in that layer / (layers x N); the schedules solve
-for the keep counts whose layer average is the largest not above the target.
+for the keep counts whose layer average is the largest not above the target. A method that also
+compresses before the LLM keeps its paper's share inside it (or R, if larger, so that R = 1 keeps
+every token), and its compressor keeps the most tokens that leave the layer average within R
+(`entering_tokens`).
 """
 
 from __future__ import annotations
@@ -25,17 +28,26 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from ..budget.plan import InfeasibleBudget
 from ..compute.counting import counted_flops
 
+# How a stage ranks the visual tokens, from the attention in the layer before it:
+LAST_TOKEN = "last_token"  # the prompt's last token's attention, mean over heads (FastV, PyramidDrop, HoliTom)
+TEXT_AFTER_VISUAL = "text_after_visual"  # every text token after the video, max over them and heads (PruneVid)
+
 
 @dataclass(frozen=True)
 class Stage:
-    """From decoder layer `layer` (0-based) on, `keep` visual tokens remain."""
+    """From decoder layer `layer` (0-based) on, `keep` visual tokens remain, the best by `rank_by`;
+    with `merge`, each dropped token's hidden state is first averaged into its most cosine-similar
+    kept token, in token order (HoliTom: kept = (kept + dropped) / 2 for each dropped in turn)."""
 
     layer: int
     keep: int
+    rank_by: str = LAST_TOKEN
+    merge: bool = False
 
 
 def layer_counts(stages: list[Stage], num_layers: int, visual: int) -> list[int]:
@@ -65,26 +77,91 @@ def check_layers(layers: list[int], num_layers: int, first_layer: int) -> None:
         )
 
 
+def scaled_layer(paper_layer: int, paper_layers: int, num_layers: int, first_layer: int) -> int:
+    """A stage the paper puts at layer `paper_layer` of a `paper_layers`-layer LLM, at the same
+    relative depth of this `num_layers`-layer LLM, not before `first_layer` (nor layer 1)."""
+    return min(num_layers - 1, max(first_layer, 1, round(paper_layer * num_layers / paper_layers)))
+
+
 def infeasible(retention: float, stages: list[Stage], num_layers: int, visual: int, what: str) -> InfeasibleBudget:
     return InfeasibleBudget(retention, layer_average(stages, num_layers, visual), what)
 
 
-def last_token_attention(attention: torch.nn.Module, hidden: torch.Tensor, cos, sin) -> torch.Tensor:
-    """(L,) attention of the last of L tokens over all L (mean over heads), as `attention` (a
-    Qwen2.5-VL / Qwen3-VL text attention module) computes it on its input `hidden` (1, L, H) with
-    rotary `cos`, `sin` (1, L, d): only the last query row is formed."""
+def entering_tokens(
+    schedule, retention: float, total: int, minimum: int, num_layers: int, layers: list[int] | None, first_layer: int
+) -> int:
+    """For a method that compresses before the LLM and then prunes inside it with its own
+    `schedule` (`(num_layers, visual, retention, layers, first_layer) -> [Stage]`, a share of the
+    tokens that entered): the most tokens n in [minimum, total] that may enter the LLM so that the
+    layer-averaged retention over the `total` vanilla tokens is not above `retention` (the sum
+    over layers grows with n)."""
+
+    def layer_sum(n: int) -> int:
+        return sum(layer_counts(schedule(num_layers, n, retention, layers, first_layer), num_layers, n))
+
+    budget = retention * total * num_layers + 1e-6
+    if layer_sum(minimum) > budget:
+        stages = schedule(num_layers, minimum, retention, layers, first_layer)
+        floor = layer_sum(minimum) / (num_layers * total)
+        raise InfeasibleBudget(retention, floor, f"{minimum} tokens entering the LLM, then {stages}")
+    low, high = minimum, total
+    while low < high:
+        mid = (low + high + 1) // 2
+        low, high = (mid, high) if layer_sum(mid) <= budget else (low, mid - 1)
+    return low
+
+
+def query_attention(attention: torch.nn.Module, hidden: torch.Tensor, cos, sin, first_query: int) -> torch.Tensor:
+    """(heads, Q, L) causal attention of the last Q = L - first_query of L tokens over all L, as
+    `attention` (a Qwen2.5-VL / Qwen3-VL text attention module) computes it on its input `hidden`
+    (1, L, H) with rotary `cos`, `sin` (1, L, d): only those query rows are formed."""
     rotary = sys.modules[type(attention).__module__].apply_rotary_pos_emb  # the module's own rotary
-    d = attention.head_dim
-    q = attention.q_proj(hidden[:, -1:]).view(1, 1, -1, d)
-    k = attention.k_proj(hidden).view(1, hidden.shape[1], -1, d)
+    d, length = attention.head_dim, hidden.shape[1]
+    q = attention.q_proj(hidden[:, first_query:]).view(1, length - first_query, -1, d)
+    k = attention.k_proj(hidden).view(1, length, -1, d)
     if hasattr(attention, "q_norm"):  # Qwen3-VL normalises q and k per head before the rotary
         q, k = attention.q_norm(q), attention.k_norm(k)
-    q, k = q.transpose(1, 2), k.transpose(1, 2)  # (1, heads, 1, d), (1, kv_heads, L, d)
-    q, _ = rotary(q, q, cos[:, -1:], sin[:, -1:])
+    q, k = q.transpose(1, 2), k.transpose(1, 2)  # (1, heads, Q, d), (1, kv_heads, L, d)
+    q, _ = rotary(q, q, cos[:, first_query:], sin[:, first_query:])
     _, k = rotary(k, k, cos, sin)
     k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
-    scores = torch.softmax((q @ k.transpose(-1, -2)).float() * attention.scaling, dim=-1)  # (1, heads, 1, L)
-    return scores[0, :, 0].mean(dim=0)
+    logits = (q @ k.transpose(-1, -2)).float() * attention.scaling  # (1, heads, Q, L)
+    rows = torch.arange(first_query, length, device=logits.device)[:, None]
+    logits = logits.masked_fill(torch.arange(length, device=logits.device)[None, :] > rows, float("-inf"))
+    return torch.softmax(logits, dim=-1)[0]
+
+
+def last_token_attention(attention: torch.nn.Module, hidden: torch.Tensor, cos, sin) -> torch.Tensor:
+    """(L,) attention of the last of L tokens over all L, mean over heads (FastV's ranking)."""
+    return query_attention(attention, hidden, cos, sin, hidden.shape[1] - 1)[:, 0].mean(dim=0)
+
+
+def text_attention(attention: torch.nn.Module, hidden: torch.Tensor, cos, sin, first_query: int) -> torch.Tensor:
+    """(L,) attention of the text tokens from `first_query` on over all L, max over heads and
+    those tokens (PruneVid's ranking by the question)."""
+    return query_attention(attention, hidden, cos, sin, first_query).amax(dim=(0, 1))
+
+
+def merge_into_nearest(hidden: torch.Tensor, kept: torch.Tensor, dropped: torch.Tensor) -> torch.Tensor:
+    """`hidden` (1, L, H) with each `dropped` position (in increasing order) averaged into the
+    `kept` position of highest cosine similarity: kept <- (kept + dropped) / 2, in turn. A kept
+    token that takes m dropped ones d_1 < ... < d_m becomes kept / 2^m + sum_j d_j / 2^(m - j + 1)."""
+    if len(dropped) == 0:
+        return hidden
+    h = hidden[0]
+    similarity = F.normalize(h[dropped].float(), dim=-1) @ F.normalize(h[kept].float(), dim=-1).T
+    target = similarity.argmax(dim=-1)  # (D,) index into kept, dropped in increasing order
+    counts = torch.bincount(target, minlength=len(kept))  # m per kept token
+    order = torch.argsort(target, stable=True)  # dropped grouped by target, in token order
+    rank = torch.empty_like(order)
+    starts = torch.cumsum(counts, 0) - counts
+    rank[order] = torch.arange(len(order), device=order.device) - starts[target[order]] + 1  # j, 1-based
+    weights = torch.pow(0.5, (counts[target] - rank + 1).to(h.dtype))  # 2^-(m - j + 1)
+    merged = h[kept] * torch.pow(0.5, counts.to(h.dtype))[:, None]
+    merged = merged.index_add(0, target, h[dropped] * weights[:, None])
+    out = hidden.clone()
+    out[0, kept] = merged
+    return out
 
 
 class LayerPruner:
@@ -96,7 +173,8 @@ class LayerPruner:
 
     def __init__(self, language_model, stages: list[Stage], visual_positions: torch.Tensor):
         self.layers = language_model.layers
-        self.stages = {s.layer: s.keep for s in stages}
+        self.schedule = list(stages)
+        self.stages = {s.layer: s for s in stages}
         self.visual = visual_positions.cpu()
         self.layer_tokens = layer_counts(stages, len(self.layers), len(self.visual))
         self.flops = 0
@@ -111,7 +189,8 @@ class LayerPruner:
             for i, layer in enumerate(self.layers)
         ]
         handles += [
-            self.layers[s - 1].self_attn.register_forward_pre_hook(self._rank, with_kwargs=True) for s in self.stages
+            self.layers[s.layer - 1].self_attn.register_forward_pre_hook(self._ranker(s), with_kwargs=True)
+            for s in self.schedule
         ]
         try:
             yield self
@@ -119,12 +198,20 @@ class LayerPruner:
             for handle in handles:
                 handle.remove()
 
-    def _rank(self, module, args, kwargs):
-        hidden = args[0] if args else kwargs["hidden_states"]
-        if hidden.shape[1] > 1:  # prefill: rank by the last token's attention
-            cos, sin = kwargs["position_embeddings"]
-            self.scores, flops = counted_flops(last_token_attention, module, hidden, cos, sin)
-            self.flops += flops
+    def _ranker(self, stage: Stage):
+        def hook(module, args, kwargs):
+            hidden = args[0] if args else kwargs["hidden_states"]
+            if hidden.shape[1] > 1:  # prefill: rank by the attention the stage asks for
+                cos, sin = kwargs["position_embeddings"]
+                if stage.rank_by == TEXT_AFTER_VISUAL:
+                    seen = self.kept if self.kept is not None else torch.arange(hidden.shape[1])
+                    after = int(torch.nonzero(torch.isin(seen, self.visual)).max()) + 1
+                    self.scores, flops = counted_flops(text_attention, module, hidden, cos, sin, after)
+                else:
+                    self.scores, flops = counted_flops(last_token_attention, module, hidden, cos, sin)
+                self.flops += flops
+
+        return hook
 
     def _layer_input(self, index: int):
         def hook(module, args, kwargs):
@@ -154,15 +241,24 @@ class LayerPruner:
 
         return hook
 
-    def _prune(self, hidden: torch.Tensor, keep: int) -> torch.Tensor:
-        """Keep the `keep` visual tokens of the current sequence with the highest scores."""
+    def _prune(self, hidden: torch.Tensor, stage: Stage) -> torch.Tensor:
+        """Keep the `stage.keep` visual tokens of the current sequence with the highest scores
+        (the dropped ones merged into them first, with `stage.merge`)."""
         if self.kept is None:
             self.prompt_length = hidden.shape[1]
             self.kept = torch.arange(self.prompt_length)
         is_visual = torch.isin(self.kept, self.visual)
         local_visual = torch.nonzero(is_visual).flatten()
         scores = self.scores.cpu()[local_visual]
-        top = local_visual[torch.argsort(scores, descending=True, stable=True)[:keep]]
+        ranked = torch.argsort(scores, descending=True, stable=True)
+        top = local_visual[ranked[: stage.keep]]
+        if stage.merge:
+            dropped = local_visual[ranked[stage.keep :]].sort().values
+            top_sorted = top.sort().values
+            hidden, flops = counted_flops(
+                merge_into_nearest, hidden, top_sorted.to(hidden.device), dropped.to(hidden.device)
+            )
+            self.flops += flops
         local = torch.cat([torch.nonzero(~is_visual).flatten(), top]).sort().values
         self.kept = self.kept[local]
         return hidden[:, local.to(hidden.device)]

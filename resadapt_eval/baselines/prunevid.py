@@ -1,10 +1,10 @@
-"""PruneVid (Huang et al., 2024), vision-side stage: spatio-temporal token merging, with Qwen frame pairs as frames.
+"""PruneVid (Huang et al., 2024): spatio-temporal token merging, then question-attention pruning inside the LLM.
 
 Paper: X. Huang, H. Zhou, K. Han, "PruneVid: Visual Token Pruning for Efficient Video Large Language Models",
 arXiv:2412.16117 (ACL 2025). Public code: github.com/Visual-AI/PruneVid, `merge_frames_dynamic`,
 `cluster_dpc_knn` and `refine_clusters` in models/pllava/modeling_pllava.py, defaults in scripts/eval.sh.
 
-What the method does (vision side):
+What the method does (with Qwen frame pairs as frames):
 1. Temporal segmentation: the frames' mean tokens are clustered with DPC-KNN into int(0.25 * frames) clusters
    (k = 7). The clusters are made contiguous: each keeps its longest run of consecutive frames, or none if all its
    runs are single frames, and every other run joins the longer of its neighbouring runs (the left one on ties).
@@ -17,12 +17,22 @@ What the method does (vision side):
    d = ||x_i - x_j|| / sqrt(C); density rho_i = exp(-mean of d^2 to the k nearest tokens, itself included);
    delta_i = distance to the nearest denser token (the largest distance for the densest); the tokens with the
    largest rho * delta are the centres, and every token joins its nearest centre.
-The method's last stage then prunes inside the LLM, keeping the visual tokens most attended by the question.
+4. Inside the LLM (`stages`): after layer 10 of PLLaVA-7B's 32, the visual tokens are ranked by the attention
+   the text tokens after the video (the question and the answer prompt) pay them in that layer, max over heads
+   and over those tokens, and the top alpha = 0.4 stay for the later layers (`VTPWindowCache` in
+   models/pllava/elastic_cache.py, `selected_layer` and `alpha` in scripts/eval.sh).
 
 Deviations from the reference:
-- Only the vision side is implemented. The LLM stage (keeping the alpha = 0.4 visual tokens most attended by the
-  question tokens at LLM layer 10, with the KV cache cut accordingly) runs inside the LLM and is not part of this
-  compressor.
+- Budget: the retention R is layer-averaged over both stages (the README's rule). The LLM stage keeps its paper
+  share alpha = 0.4 at its paper depth (or R of them where R is larger, so that R = 1 keeps every token); the
+  vision side keeps the most tokens that leave the layer average within R (`inside_llm.entering_tokens`).
+- The LLM stage sits at the same relative depth: layer round(11 L / 32) of an L-layer LLM (the first layer
+  without the pruned tokens is 11 of 32; 10 of Qwen2.5-VL-7B's 28, 4 of the tiny 12), after Qwen3-VL's deepstack
+  layers, or at `prune_layers`. It keeps floor(max(alpha, R) n) of the n tokens that entered, ranked over all of them;
+  the reference keeps int(alpha size) within each static group and each frame's dynamic tokens, which the
+  merged tokens entering the LLM no longer carry.
+- The reference also drops the pruned tokens from the KV cache of the layers before the stage, which changes
+  only the decoding steps; here those layers keep them (as FastV does).
 - A "frame" is one Qwen frame pair (`pair_sizes` tokens), compared after the vision merger.
 - Budget: the reference's output size follows from tau and the cluster ratio 0.5. Here the output has exactly
   `keep` tokens. Positions above tau are the static candidates. They are merged in decreasing order of similarity,
@@ -47,16 +57,20 @@ Deviations from the reference:
 
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 
 import torch
 import torch.nn.functional as F
 
 from .common import VisualTokens, check_keep, density_peaks, per_pair_budget
+from .inside_llm import TEXT_AFTER_VISUAL, Stage, check_layers, scaled_layer
 
 TAU = 0.8  # static threshold on a position's mean pairwise cosine across a segment's frames
 SEGMENT_RATIO = 0.25  # temporal_segment_ratio: DPC-KNN clusters per frame in the temporal segmentation
 KNN = 7  # k nearest neighbours of the DPC-KNN density, temporal and spatial
+ALPHA = 0.4  # share of the visual tokens the LLM stage keeps
+LLM_LAYER, LLM_LAYERS = 11, 32  # the first layer without the pruned tokens, of PLLaVA-7B's 32
 
 
 def dpc_knn(x: torch.Tensor, num_clusters: int, k: int = KNN) -> torch.Tensor:
@@ -179,3 +193,16 @@ def compress(tokens: VisualTokens, keep: int, seed: int = 0) -> torch.Tensor:
         for item, centre in enumerate(owner.tolist()):
             assignment[members[item]] = destination[centre]
     return assignment
+
+
+def stages(
+    num_layers: int, visual: int, retention: float, layers: list[int] | None = None, first_layer: int = 0
+) -> list[Stage]:
+    """The LLM stage: from layer round(11 L / 32) (or `layers`) on, the floor(max(0.4, R) n) of the
+    `visual` tokens most attended by the text after the video (the paper's share; R where larger, so
+    that R = 1 keeps every token). The vision side is sized for the layer-averaged R
+    (`inside_llm.entering_tokens`)."""
+    (layer,) = layers or [scaled_layer(LLM_LAYER, LLM_LAYERS, num_layers, first_layer)]
+    check_layers([layer], num_layers, first_layer)
+    keep = min(visual, max(1, math.floor(max(ALPHA, retention) * visual + 1e-9)))
+    return [Stage(layer, keep, rank_by=TEXT_AFTER_VISUAL)]

@@ -245,6 +245,14 @@ def no_similarity(pair_sizes: list[int], keep: int, width: int) -> int:
     return 0
 
 
+def evs_similarity(grids, width: int) -> int:
+    """vLLM's EVS over one video of equal pairs: each token of a later pair is compared by cosine
+    (three `width`-long dot products) with the token at its position in the pair before."""
+    return sum(6 * width * t * h * w for t, h, w in grids[1:])
+
+
+ENGINE_PRUNING = {"evs": evs_similarity}
+
 SIMILARITY = {
     random_drop.compress: no_similarity,
     tome.compress: tome_similarity,
@@ -269,6 +277,8 @@ def method_flops(method, dims: BackboneDims, grids, retention: float | None, com
     the recomputed attention it reads, and its compressor's work, `compressor` FLOPs as counted in
     a run or else computed from the grids (ToMe, VisionZip); zero for methods that only resize."""
     total = recomputed_attention(dims.vision, grids) if method.needs_attention else 0
+    if method.engine_pruning is not None:  # the engine's pruning, by formula (it runs inside vLLM)
+        return total + ENGINE_PRUNING[method.engine_pruning](grids, dims.vision.out_hidden)
     if compressor is not None or method.compress is None:
         return total + (compressor or 0)
     similarity = SIMILARITY.get(method.compress)
@@ -370,8 +380,16 @@ def row_flops(
     policy = policies.fixed_scale if method.needs_allocator else method.policy
     plan = planner.plan(policy(frames, base_hw, grid, spec), base_hw)
     visual = plan.visual_tokens
-    if method.compress is not None:
+    two_stage = method.compress is not None and method.prune is not None
+    if two_stage:  # the compressor keeps what the method's own stage inside the LLM leaves within R
+        from ..baselines.inside_llm import entering_tokens
+
+        layers, first = dims.text.layers, dims.vision.deepstack
+        visual = entering_tokens(method.prune, retention, visual, len(plan.grids), layers, None, first)
+    elif method.compress is not None:
         visual = kept_count(retention, visual, len(plan.grids))
+    if method.engine_pruning is not None:  # the engine keeps floor(R N), and at least the first pair
+        visual = max(plan.grids[0][0] * plan.grids[0][1] * plan.grids[0][2], int(visual * retention))
     scoring = allocator.flops(frames, query_tokens) if method.needs_allocator else 0
     prompt, ranking = visual + text_tokens, None
     if method.prune is not None:  # the stages' layer counts, each ranked in the layer before it

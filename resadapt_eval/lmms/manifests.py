@@ -3,7 +3,8 @@
 Every registered method (`methods.py`) gets `<method>_<backbone>` (plus its aliases), a class
 that fixes the method, so runs of every method are separate lmms-eval models that still share the
 default prompt; `resadapt_<backbone>` takes any `method=`, and `resadapt_<backbone>_vllm` runs the
-methods the vLLM engine can. This module imports nothing from lmms-eval at import time (importing
+methods the vLLM engine can (a method only vLLM runs, such as `evs`, has its `<method>_<backbone>`
+class there). This module imports nothing from lmms-eval at import time (importing
 `lmms_eval.models` runs the entry points, which would then see this module half-initialised).
 """
 
@@ -25,7 +26,8 @@ def model_names() -> dict[str, tuple[str, list[str]]]:
     for method in METHODS.values():
         for backbone in BACKBONES:
             primary, *aliases = method.model_names(backbone)
-            names[primary] = (f"{MODULE}.{class_name(method.name, backbone)}", aliases)
+            module = MODULE if method.hf else VLLM_MODULE
+            names[primary] = (f"{module}.{class_name(method.name, backbone)}", aliases)
     for backbone, stem in BACKBONES.items():
         names[f"resadapt_{backbone}_vllm"] = (f"{VLLM_MODULE}.ResAdapt{stem}VLLM", [])
     return names

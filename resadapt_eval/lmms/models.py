@@ -26,7 +26,7 @@ from ..allocator import BUDGET_FILE, training_budget
 from ..backbones.qwen import Qwen3VLAdapter, Qwen25VLAdapter, QwenVideoAdapter
 from ..budget.policies import BudgetSpec
 from ..manifest import git_revision, merge_totals, run_summary, sample_totals, versions, write_json
-from ..methods import METHODS
+from ..methods import METHODS, Method
 from ..pipeline import Request, VideoPipeline, VideoPipelineConfig
 from ..record import SampleRecord, build_record
 from ..video import is_moving_video
@@ -80,6 +80,7 @@ class ResAdaptQwen(lmms):
         if int(batch_size) != 1:
             raise ValueError("resadapt models run batch_size=1 (each sample has its own per-pair sizes)")
         config = config_from_model_args(method=method or self.fixed_method or "vanilla", **model_args)
+        self.check_engine(METHODS[config.method])
         from accelerate import Accelerator
 
         device = device or ("cuda" if _cuda_available() else "cpu")
@@ -107,6 +108,15 @@ class ResAdaptQwen(lmms):
         )
         self.allocator_budget = training_budget(config.allocator)
         self._totals: list[dict] = []  # per generate_until call, summed over processes
+
+    @classmethod
+    def check_engine(cls, method: Method) -> None:
+        """Stop before loading anything when this class's engine cannot run `method`."""
+        if not method.hf:
+            raise ValueError(
+                f"method={method.name} acts {method.stage.replace('_', ' ')}: it runs on the vLLM classes "
+                f"({method.name}_<backbone>, or resadapt_<backbone>_vllm with method={method.name})"
+            )
 
     def _build_backbone(
         self, pretrained: str, config: VideoPipelineConfig, device: str, dtype: str, attn_implementation: str | None
@@ -402,10 +412,10 @@ def __getattr__(name: str) -> type:
     registered method and cached here: each fixes `method=` on the backbone's class, named as the
     manifest names it (PEP 562 module attribute)."""
     bases = {"qwen25vl": ResAdaptQwen25VL, "qwen3vl": ResAdaptQwen3VL}
-    for method in METHODS:
+    for method, spec in METHODS.items():
         for backbone, base in bases.items():
             if (
-                method != "resadapt" and class_name(method, backbone) == name
+                spec.hf and method != "resadapt" and class_name(method, backbone) == name
             ):  # resadapt_<backbone>: the any-method class
                 doc = f"{base.__name__} with method={method}."
                 cls = globals()[name] = type(

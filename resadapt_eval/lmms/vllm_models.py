@@ -3,13 +3,15 @@
 Same model_args, plans, sidecar records and run totals as `resadapt_<backbone>`; requests are
 answered in chunks through `VideoPipeline.run_batch` (the Allocator runs once per chunk in this
 process, then vLLM generates the chunk). Methods: those the registry marks `vllm` (vanilla,
-fixed_scale, resadapt with any operator). Token compressors and image suites run on the HF classes.
+fixed_scale, resadapt with any operator, and vLLM's own video pruning, `evs`, whose model names
+`evs_<backbone>` are classes of this module). Token compressors and image suites run on the HF classes.
 """
 
 from __future__ import annotations
 
-from ..methods import get_method
+from ..methods import METHODS, Method, get_method
 from ..pipeline import VideoPipelineConfig
+from .manifests import class_name
 from .models import ResAdaptQwen, _none_or
 
 
@@ -35,12 +37,6 @@ class ResAdaptQwenVLLM(ResAdaptQwen):
         seed: int = 0,
         **kwargs,
     ):
-        method = get_method(kwargs.get("method") or "vanilla")
-        if not method.vllm:
-            raise ValueError(
-                f"method={method.name} acts {method.stage.replace('_', ' ')}, which vLLM does not expose: "
-                f"run it on the HF path (--model {method.name}_{self.family} or resadapt_{self.family})"
-            )
         self.engine_args = dict(
             tensor_parallel_size=int(tensor_parallel_size),
             gpu_memory_utilization=float(gpu_memory_utilization),
@@ -53,6 +49,14 @@ class ResAdaptQwenVLLM(ResAdaptQwen):
             raise ValueError(f"chunk_size must be at least 1, got {chunk_size}")
         super().__init__(pretrained, **kwargs)
 
+    @classmethod
+    def check_engine(cls, method: Method) -> None:
+        if not method.vllm:
+            raise ValueError(
+                f"method={method.name} acts {method.stage.replace('_', ' ')}, which vLLM does not expose: "
+                f"run it on the HF path (--model {method.name}_{cls.family} or resadapt_{cls.family})"
+            )
+
     def _build_backbone(
         self, pretrained: str, config: VideoPipelineConfig, device: str, dtype: str, attn_implementation: str | None
     ):
@@ -60,8 +64,21 @@ class ResAdaptQwenVLLM(ResAdaptQwen):
 
         if attn_implementation is not None:
             raise ValueError("attn_implementation is an HF-path setting; vLLM picks its own attention backend")
+        method = get_method(config.method)
+        pruning = {}
+        if method.engine_pruning is not None:
+            pruning = dict(
+                video_pruning_method=method.engine_pruning,
+                video_pruning_rate=method.pruning_rate(config.budget.retention),
+            )
         return VLLMBackbone(
-            self.family, pretrained, config.max_num_frames, dtype=dtype, allocator_device=device, **self.engine_args
+            self.family,
+            pretrained,
+            config.max_num_frames,
+            dtype=dtype,
+            allocator_device=device,
+            **self.engine_args,
+            **pruning,
         )
 
 
@@ -71,3 +88,18 @@ class ResAdaptQwen25VLVLLM(ResAdaptQwenVLLM):
 
 class ResAdaptQwen3VLVLLM(ResAdaptQwenVLLM):
     family = "qwen3vl"
+
+
+def __getattr__(name: str) -> type:
+    """`<Method><Backbone>` classes of the methods only vLLM runs (e.g. EVSQwen25VL), made on first
+    use: each fixes `method=` on the backbone's vLLM class (PEP 562 module attribute)."""
+    bases = {"qwen25vl": ResAdaptQwen25VLVLLM, "qwen3vl": ResAdaptQwen3VLVLLM}
+    for method, spec in METHODS.items():
+        for backbone, base in bases.items():
+            if not spec.hf and class_name(method, backbone) == name:
+                doc = f"{base.__name__} with method={method}."
+                cls = globals()[name] = type(
+                    name, (base,), {"fixed_method": method, "__module__": __name__, "__doc__": doc}
+                )
+                return cls
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
