@@ -62,7 +62,9 @@ class Method:
     prune: `(num_layers, visual, retention, layers, first_layer) -> [Stage]` for INSIDE_LLM methods
     (`baselines/inside_llm.py`: retention is layer-averaged), and for an AFTER_MERGER method with
     a second stage inside the LLM (its own share of the tokens that entered; the compressor keeps
-    what leaves the layer average within R); engine_pruning: for IN_ENGINE
+    what leaves the layer average within R); decode_prune: `(num_layers, visual, retention, first_layer)
+    -> DecodeStage` for an AFTER_MERGER method that also prunes the KV cache while decoding
+    (`baselines/decode_pruning.py`: the prefill, and so R, is the compressor's); engine_pruning: for IN_ENGINE
     methods, vLLM's `video_pruning_method`, run at `video_pruning_rate` = 1 - retention.
     """
 
@@ -80,6 +82,7 @@ class Method:
     compress: Callable | None = None
     prune: Callable | None = None
     engine_pruning: str | None = None
+    decode_prune: Callable | None = None
     aliases: tuple[str, ...] = ()
     in_paper: bool = False
 
@@ -90,6 +93,8 @@ class Method:
             raise ValueError(f"{self.name}: retention must be one of {RETENTION_RULES}, got {self.retention!r}")
         if (self.compress is not None) != (self.stage == AFTER_MERGER):
             raise ValueError(f"{self.name}: a compressor is what an {AFTER_MERGER} method runs, and only it")
+        if self.decode_prune is not None and self.stage != AFTER_MERGER:
+            raise ValueError(f"{self.name}: only a compressor prunes while decoding")
         if self.stage == INSIDE_LLM and self.prune is None:
             raise ValueError(f"{self.name}: an {INSIDE_LLM} method runs a pruning schedule")
         if self.prune is not None and self.stage not in (AFTER_MERGER, INSIDE_LLM):
@@ -139,8 +144,10 @@ def _compressor(
     needs_attention: bool = False,
     in_paper: bool = False,
     inside_llm: bool = False,
+    decoding: bool = False,
 ) -> Method:
-    """A compressor after the merger (`module.compress`); `inside_llm`: its own LLM stage too (`module.stages`)."""
+    """A compressor after the merger (`module.compress`); `inside_llm`: its own LLM stage too (`module.stages`);
+    `decoding`: it also prunes while decoding (`module.decode_stage`)."""
     return Method(
         name,
         display_name,
@@ -149,6 +156,7 @@ def _compressor(
         REQUIRED_RETENTION,
         compress=module.compress,
         prune=module.stages if inside_llm else None,
+        decode_prune=module.decode_stage if decoding else None,
         policy=policies.vanilla,
         needs_attention=needs_attention,
         in_paper=in_paper,
@@ -180,7 +188,7 @@ register(_compressor("visionzip", "VisionZip", "VisionZip", visionzip, needs_att
 register(_compressor("flashvid", "FlashVid", "FlashVid", flashvid, needs_attention=True, in_paper=True))
 register(_compressor("divprune", "DivPrune", "DivPrune", divprune))
 register(_compressor("vidcom2", "VidCom2", "VidCom2", vidcom2))
-register(_compressor("dycoke", "DyCoke", "DyCoke", dycoke))
+register(_compressor("dycoke", "DyCoke", "DyCoke", dycoke, decoding=True))
 register(_compressor("prunevid", "PruneVid", "PruneVid", prunevid, inside_llm=True))
 register(_compressor("fastvid", "FastVID", "FastVID", fastvid, needs_attention=True))
 register(_compressor("holitom", "HoliTom", "HoliTom", holitom, needs_attention=True, inside_llm=True))

@@ -401,6 +401,10 @@ class VideoPipeline:
                     payload = self.backbone.build_pruned_inputs(
                         payload, self.method.prune, self.config.budget.retention, self.config.pruning_layers
                     )
+                if self.method.decode_prune is not None:
+                    payload = self.backbone.build_decode_pruned_inputs(
+                        payload, self.method.decode_prune, self.config.budget.retention
+                    )
         return Built(payload, visual, merged, resize_s, time.perf_counter() - t0, compressor.flops, vision_s)
 
     def entering_share(self, plan: ResizePlan) -> float:

@@ -181,6 +181,7 @@ def build_record(
             if method.stage in (AFTER_MERGER, INSIDE_LLM)
             else None,
             allocator=scores.flops,
+            decode_keys_dropped=engine.decode_keys_dropped,
         )
         record.vision_flops, record.vision_attention_flops = flops.vision, flops.vision_attention
         record.llm_prefill_flops, record.llm_attention_flops = flops.llm_prefill, flops.llm_attention

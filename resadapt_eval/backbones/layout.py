@@ -148,7 +148,8 @@ class EngineOutput:
     and prefill); per_token_s: seconds per later token; vision_s: the vision tower's seconds
     (None where the engine does not expose its tower); peak_memory_mb (`profile.clock`);
     layer_visual_tokens: visual tokens in each decoder layer, for a method that prunes inside the
-    LLM (None otherwise), and method_flops: the FLOPs its ranking ran."""
+    LLM (None otherwise), and method_flops: the FLOPs its ranking ran; decode_keys_dropped: key
+    columns a decoding-time pruner kept its steps from attending to, summed over layers and steps."""
 
     text: str
     prompt_ids: list[int]
@@ -159,6 +160,7 @@ class EngineOutput:
     peak_memory_mb: float | None = None
     layer_visual_tokens: list[int] | None = None
     method_flops: int = 0
+    decode_keys_dropped: int = 0
 
 
 class Backbone(Protocol):

@@ -19,6 +19,7 @@ from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import apply_rotary_pos_
 from transformers.models.qwen3_vl.modeling_qwen3_vl import apply_rotary_pos_emb_vision as qwen3_vision_rotary
 from transformers.vision_utils import get_vision_window_index
 
+from ..baselines.decode_pruning import DecodePruner
 from ..baselines.inside_llm import LayerPruner
 from ..budget.plan import ResizePlan
 from ..profile.clock import FirstLogits, ModuleTimer, Stopwatch, peak_memory_mb, reset_peak_memory
@@ -33,7 +34,7 @@ class PrunedInputs:
     """Model inputs and the pruner `generate_batch` attaches while generating them."""
 
     inputs: dict
-    pruner: LayerPruner
+    pruner: LayerPruner | DecodePruner
 
 
 class QwenVideoAdapter:
@@ -223,6 +224,13 @@ class QwenVideoAdapter:
         stages = schedule(self.num_text_layers, len(visual), retention, layers, self.first_prunable_layer)
         return PrunedInputs(inputs, LayerPruner(self.model.model.language_model, stages, visual))
 
+    def build_decode_pruned_inputs(self, inputs: dict, decode_stage, retention: float) -> PrunedInputs:
+        """`inputs` (from `build_compressed_inputs`) with a `DecodePruner` at the stage
+        `decode_stage(layers, visual tokens, retention, first layer)` gives on this LLM."""
+        visual = torch.nonzero(inputs["mm_token_type_ids"][0] == VIDEO_TOKEN_TYPE).flatten()
+        stage = decode_stage(self.num_text_layers, len(visual), retention, self.first_prunable_layer)
+        return PrunedInputs(inputs, DecodePruner(self.model.model.language_model, stage, visual))
+
     # ------------------------------------------------------------------ generation
     @torch.inference_mode()
     def generate(
@@ -247,7 +255,8 @@ class QwenVideoAdapter:
             first = FirstLogits(self.stopwatch)
             with self.vision_timer.recording(), pruner.attached() if pruner is not None else nullcontext():
                 start = self.stopwatch.mark()
-                text, tokens = self.generate_ids(inputs, **kwargs, logits_processor=[first])
+                extra = pruner.generate_kwargs() if pruner is not None else {}
+                text, tokens = self.generate_ids(inputs, **kwargs, logits_processor=[first], **extra)
                 end = self.stopwatch.mark()
             n_out = int(tokens.numel())
             outputs.append(
@@ -261,6 +270,7 @@ class QwenVideoAdapter:
                     peak_memory_mb=peak_memory_mb(self.device),
                     layer_visual_tokens=pruner.layer_tokens if pruner is not None else None,
                     method_flops=pruner.flops if pruner is not None else 0,
+                    decode_keys_dropped=getattr(pruner, "keys_dropped", 0),
                 )
             )
         return outputs
@@ -274,9 +284,11 @@ class QwenVideoAdapter:
         top_p: float | None = None,
         num_beams: int = 1,
         logits_processor: list | None = None,
+        past_key_values=None,
     ) -> tuple[str, torch.Tensor]:
         """Generate from `build_inputs` output; returns (text, generated token ids (L,)).
-        logits_processor: transformers `LogitsProcessor`s run besides the sampling settings'."""
+        logits_processor: transformers `LogitsProcessor`s run besides the sampling settings';
+        past_key_values: the cache to fill (a decoding-time pruner's; None: generate's own)."""
         self.model.model.rope_deltas = None  # never reuse positions cached by an earlier call
         sampling = (
             dict(do_sample=True, temperature=temperature, top_p=top_p)
@@ -291,6 +303,7 @@ class QwenVideoAdapter:
             pad_token_id=self.tokenizer.pad_token_id,
             logits_processor=LogitsProcessorList(logits_processor or []),
             **sampling,
+            **({} if past_key_values is None else dict(past_key_values=past_key_values)),
         )
         new_tokens = out[0, inputs["input_ids"].shape[1] :]
         return self.tokenizer.decode(new_tokens, skip_special_tokens=True), new_tokens

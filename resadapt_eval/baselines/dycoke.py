@@ -1,4 +1,4 @@
-"""DyCoke (Tao et al., CVPR 2025), first stage: temporal token merging (TTM), with Qwen frame pairs as frames.
+"""DyCoke (Tao et al., CVPR 2025): temporal token merging (TTM), pairs as frames, then KV pruning while decoding.
 
 Paper: K. Tao, C. Qin, H. You, Y. Sui, H. Wang, "DyCoke: Dynamic Compression of Tokens for Fast Video Large
 Language Models", CVPR 2025 (arXiv:2411.15024). Public code: github.com/KD-TAO/DyCoke, `dycole_ttm` in
@@ -12,9 +12,16 @@ setting). The 1st frame of each window is the reference and stays whole. The sec
 during decoding, keeping the visual tokens most attended by the current token at each step.
 
 Deviations from the reference:
-- Only TTM is implemented. The second stage (dynamic KV-cache pruning by the attention at LLM layer 3, pruning
-  ratio P = 0.7 in the README, 0.8 by default, redone at every decoding step) runs inside the LLM and is not part of
-  this compressor.
+- The second stage, dynamic KV-cache pruning during decoding (`decode_stage`, `decode_pruning.DecodePruner`;
+  `PrunableDynamicCache.dycoke_pruning` in the reference's modeling_qwen2.py): at each decoding step the current
+  token's attention in layer K - 1 (mean over heads) ranks the visual tokens, and layers K and later attend to
+  the top int((1 - P) n) of them (int(R n) where R is larger, so that R = 1 keeps every token), re-selected
+  when the visual attention's cosine to the previous step's is below 0.9 (otherwise, as the reference's reset
+  selection does, to all of them). K = 3 of LLaVA-OneVision-7B's 28 layers (`dycoke_l`), P = 0.7 (the README's
+  lmms-eval setting; the code's default is 0.8). Here K sits at the same relative depth, round(3 L / 28), after
+  Qwen3-VL's deepstack layers. It changes only decoding, so the R recorded is TTM's (every prefill layer sees
+  the tokens TTM kept); its saving is in the decoding FLOPs. The reference keeps the previous step's attention
+  in a config object shared across requests; here it starts afresh with each request.
 - A "frame" is one Qwen frame pair (`pair_sizes` tokens), compared after the vision merger.
 - Budget: the reference keeps int((1 - K) * T) tokens of every compared frame, so its output size follows from K.
   Here K is solved from the budget. The reference frames stay whole, and the rest of the budget,
@@ -42,8 +49,13 @@ import torch
 import torch.nn.functional as F
 
 from .common import DROPPED, VisualTokens, check_keep, per_pair_budget
+from .decode_pruning import DecodeStage
+from .inside_llm import scaled_layer
 
 WINDOW = 4  # frames per TTM window; the first one is the reference
+DECODE_LAYER, DECODE_LAYERS = 3, 28  # dycoke_l of LLaVA-OneVision-7B's 28 layers
+DECODE_PRUNING = 0.7  # dycoke_p: the share of the visual tokens a decoding step does not attend to
+SIMILARITY_THRESHOLD = 0.9  # a step re-selects below this cosine to the previous step's visual attention
 
 
 def window_partners(frames: list[int]) -> dict[int, int]:
@@ -114,3 +126,11 @@ def compress(tokens: VisualTokens, keep: int, seed: int = 0) -> torch.Tensor:
             break
         level, budget = references, budget - len(compared)
     return torch.where(kept, torch.arange(feats.shape[0]), torch.full_like(kept, DROPPED, dtype=torch.long))
+
+
+def decode_stage(num_layers: int, visual: int, retention: float, first_layer: int = 0) -> DecodeStage:
+    """The decoding stage for `visual` tokens in the prompt of a `num_layers`-layer LLM: from layer
+    round(3 L / 28) on, int(max(0.3, R) n) visual tokens per re-selecting step (the paper's share; R
+    where larger, so that R = 1 keeps every token), re-selected below cosine 0.9."""
+    keep = min(visual, max(1, int(visual * max(1 - DECODE_PRUNING, retention) + 1e-9)))
+    return DecodeStage(scaled_layer(DECODE_LAYER, DECODE_LAYERS, num_layers, first_layer), keep, SIMILARITY_THRESHOLD)

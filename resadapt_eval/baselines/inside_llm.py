@@ -179,6 +179,10 @@ class LayerPruner:
         self.layer_tokens = layer_counts(stages, len(self.layers), len(self.visual))
         self.flops = 0
 
+    def generate_kwargs(self) -> dict:
+        """What `generate` takes from this pruner: nothing (it works through hooks alone)."""
+        return {}
+
     @contextmanager
     def attached(self):
         self.kept = None  # prompt indices the current layer sees (None: all)

@@ -198,11 +198,12 @@ def prefill_flops(x: TextDims, prompt_tokens: int | list[int]) -> tuple[int, int
     return linear, sum(4 * n**2 * x.heads * x.head_dim for n in lengths)
 
 
-def decode_flops(x: TextDims, prompt_tokens: int | list[int], output_tokens: int) -> int:
+def decode_flops(x: TextDims, prompt_tokens: int | list[int], output_tokens: int, keys_dropped: int = 0) -> int:
     """FLOPs (linear and attention) of the n - 1 decode steps after prefill, step i against the
-    layer's prompt plus i keys."""
+    layer's prompt plus i keys, less `keys_dropped` key columns (summed over layers and steps) a
+    decoding-time pruner kept the steps from."""
     steps = max(0, output_tokens - 1)
-    keys = sum(n + i for n in per_layer(x, prompt_tokens) for i in range(1, steps + 1))
+    keys = sum(n + i for n in per_layer(x, prompt_tokens) for i in range(1, steps + 1)) - keys_dropped
     return steps * (token_linear(x) + 2 * x.hidden * x.vocab) + 4 * keys * x.heads * x.head_dim
 
 
@@ -328,11 +329,14 @@ def sample_flops(
     output_tokens: int,
     compressor: int | None = None,
     allocator: int = 0,
+    decode_keys_dropped: int = 0,
 ) -> SampleFlops:
     """FLOPs of one sample: the vision tower over the planned `grids` (t, h, w merged tokens, the
     vanilla ones for a token compressor), the LLM over the `prompt_tokens` that entered it (or
-    that many in each layer) and `output_tokens` generated, the `method`'s own work at `retention` (`compressor`: its
-    compressor's counted FLOPs, see `method_flops`) and the Allocator's `allocator` FLOPs."""
+    that many in each layer) and `output_tokens` generated (less `decode_keys_dropped` key columns
+    a decoding-time pruner kept the steps from), the `method`'s own work at `retention`
+    (`compressor`: its compressor's counted FLOPs, see `method_flops`) and the Allocator's
+    `allocator` FLOPs."""
     vision, vision_attention = vision_flops(dims.vision, grids)
     prefill, attention = prefill_flops(dims.text, prompt_tokens)
     return SampleFlops(
@@ -340,7 +344,7 @@ def sample_flops(
         vision_attention=vision_attention,
         llm_prefill=prefill,
         llm_attention=attention,
-        decode=decode_flops(dims.text, prompt_tokens, output_tokens),
+        decode=decode_flops(dims.text, prompt_tokens, output_tokens, decode_keys_dropped),
         method=method_flops(method, dims, grids, retention, compressor),
         allocator=allocator,
     )
