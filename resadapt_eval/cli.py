@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import yaml
@@ -14,7 +15,7 @@ from .manifest import REPO
 from .methods import METHODS
 from .needle.data import EVIDENCE_PAIRS
 
-ALL_METHODS = ",".join(METHODS)
+HF_METHODS = ",".join(name for name, method in METHODS.items() if method.hf)
 PAPER_METHODS = ",".join(name for name, method in METHODS.items() if method.in_paper)
 
 
@@ -29,6 +30,9 @@ def cmd_sweep(args) -> int:
     from .sweep import ChangedCells, load_card, plan_cells, run_sweep
 
     card = load_card(args.card)
+    if args.model_args:  # part of every cell's configuration, as the card's own model_args are
+        extra = dict(pair.split("=", 1) for pair in args.model_args.split(","))
+        card = replace(card, model_args={**card.model_args, **extra})
     frames = [int(f) for f in args.frames.split(",")] if args.frames else card.frames
     tasks = args.tasks.split(",") if args.tasks else card.tasks
     cells = plan_cells(args.methods.split(","), [float(r) for r in args.retention.split(",")], frames)
@@ -332,12 +336,21 @@ def main(argv: list[str] | None = None) -> int:
         "sweep", help="run a (method x retention x frames) grid through lmms-eval, one process per cell, resumable"
     )
     p.add_argument("--card", required=True, help="model card YAML (model_cards/)")
-    p.add_argument("--methods", default=ALL_METHODS, help="comma-separated methods")
+    p.add_argument(
+        "--methods",
+        default=HF_METHODS,
+        help="comma-separated methods (default: every method of the HF classes; evs runs under .venv-vllm)",
+    )
     p.add_argument("--retention", default="0.25,0.1", help="comma-separated target retentions")
     p.add_argument("--frames", default=None, help="comma-separated max_num_frames (default: the card's)")
     p.add_argument("--tasks", default=None, help="comma-separated lmms-eval tasks (default: the card's)")
     p.add_argument("--output", required=True, help="run directory (one folder per cell)")
     p.add_argument("--launcher", default=None, help='e.g. "accelerate launch --num_processes 8" for data parallel')
+    p.add_argument(
+        "--model-args",
+        default=None,
+        help="k=v,... added to the card's model_args for every cell (e.g. kv_cache_memory_bytes=67108864 for evs)",
+    )
     p.add_argument("--limit", type=int, default=None, help="lmms-eval --limit (samples per task; for testing)")
     p.add_argument(
         "--max-failed-fraction",

@@ -205,6 +205,14 @@ def test_a_changed_limit_does_not_reuse_finished_cells(fixtures_dir, tmp_path):
     assert "0 already done, 1 to run" in rerun.stdout
     meta = json.loads(cell.read_text())
     assert (meta["status"], meta["samples"], meta["config"]["limit"]) == ("done", 2, 2)
+    # --model-args extends the card's model_args: part of every cell's configuration
+    extra = subprocess.run(
+        sweep_cmd(tmp_path, "vanilla", limit=2) + ["--model-args", "max_pixels=50176"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+    )
+    assert extra.returncode == 2 and "card.model_args.max_pixels: None -> '50176'" in extra.stderr
 
 
 def test_an_all_failed_cell_is_reported_failed_and_tables_show_the_failures(fixtures_dir, tmp_path):
