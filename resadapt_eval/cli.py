@@ -183,6 +183,7 @@ def cmd_needle_train_backbone(args) -> int:
         init=args.init,
         lr=args.lr,
         cue_fraction=args.cue_fraction,
+        family=args.family,
     )
     print(f"needle backbone: {out}")
     return 0
@@ -409,9 +410,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.set_defaults(func=cmd_needle_make_data)
     p = needle.add_parser(
-        "train-backbone", help="train the tiny Qwen2.5-VL-architecture needle backbone (two stages, CPU)"
+        "train-backbone", help="train a tiny Qwen2.5-VL- or Qwen3-VL-architecture needle backbone (two stages, CPU)"
     )
     p.add_argument("--out", default="results/needle/backbone-qwen25vl")
+    p.add_argument(
+        "--family", default="qwen25vl", choices=["qwen25vl", "qwen3vl"], help="architecture of a new backbone"
+    )
     p.add_argument("--stage1-steps", type=int, default=500)
     p.add_argument("--stage2-steps", type=int, default=700)
     p.add_argument(

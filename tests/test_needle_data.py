@@ -46,18 +46,25 @@ def test_split_is_seeded_lossless_and_marks_the_evidence(tmp_path):
         assert alternation(evidence) > alternation(other) + 50
 
 
-def test_backbone_trainer_runs_both_stages_and_saves(tmp_path):
+@pytest.mark.parametrize("family", ["qwen25vl", "qwen3vl"])
+def test_backbone_trainer_runs_both_stages_and_saves(tmp_path, family):
     from transformers import AutoConfig
 
     from resadapt_eval.needle.train_backbone import train_backbone
 
-    out = train_backbone(tmp_path / "needle", stage1_steps=2, stage2_steps=2, batch=2, progress=False)
+    out = train_backbone(tmp_path / "needle", stage1_steps=2, stage2_steps=2, batch=2, progress=False, family=family)
     config = AutoConfig.from_pretrained(out)
-    assert config.vision_config.fullatt_block_indexes == [] and config.text_config.hidden_size == 128
-    assert "stage1_steps=2 stage2_steps=2" in (out / "training.txt").read_text()
-    # continuing from the saved model appends to the log
+    assert config.model_type == {"qwen25vl": "qwen2_5_vl", "qwen3vl": "qwen3_vl"}[family]
+    assert config.text_config.hidden_size == 128 and config.text_config.num_hidden_layers == 3
+    if family == "qwen25vl":  # windowed attention only
+        assert config.vision_config.fullatt_block_indexes == []
+    else:  # 16 px patches, one deepstack feature
+        assert config.vision_config.patch_size == 16 and config.vision_config.deepstack_visual_indexes == [0]
+    assert f"family={family} init=None seed=0 stage1_steps=2 stage2_steps=2" in (out / "training.txt").read_text()
+    # continuing from the saved model keeps its architecture and appends to the log
     train_backbone(out, stage1_steps=0, stage2_steps=1, batch=2, init=str(out), progress=False)
     assert len((out / "training.txt").read_text().splitlines()) == 2
+    assert f"family={family} init={out}" in (out / "training.txt").read_text()
 
 
 def test_evidence_pairs_widens_where_the_evidence_may_sit(tmp_path):

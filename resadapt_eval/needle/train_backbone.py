@@ -1,4 +1,4 @@
-"""Train the needle backbone: a tiny Qwen2.5-VL-architecture model that reads the needle glyph.
+"""Train a needle backbone: a tiny Qwen2.5-VL- or Qwen3-VL-architecture model that reads the needle glyph.
 
 Two stages (the answer-token loss alone stays at chance on this task):
 1. the vision tower + merger with a max-pooled linear head on single evidence pairs at full
@@ -21,7 +21,7 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
-from ..backbones.qwen import Qwen25VLAdapter
+from ..backbones.qwen import ADAPTERS, QwenVideoAdapter
 from ..budget.plan import plan_from_scales
 from ..fixtures import CHAT_TEMPLATE, IMAGE_MEAN, IMAGE_STD, _token_ids, build_tokenizer
 from ..video import DecodedVideo
@@ -30,54 +30,59 @@ from .data import FPS, FRAMES, LETTERS, QUESTION, SIZE, NeedleSpec, render_video
 PAIRS = FRAMES // 2
 
 
-def build_needle_backbone(seed: int = 0):
-    """Qwen2.5-VL architecture, 1.0M parameters: text hidden 128 (4 heads of 32), 3 layers; vision
-    hidden 96, depth 2, windowed attention only (no full-attention block, like the local
-    attention of real towers). Returns (model, processor)."""
-    from transformers import (
-        Qwen2_5_VLConfig,
-        Qwen2_5_VLForConditionalGeneration,
-        Qwen2_5_VLProcessor,
-        Qwen2VLImageProcessor,
-        Qwen2VLVideoProcessor,
-    )
+def build_needle_backbone(seed: int = 0, family: str = "qwen25vl"):
+    """A 1.0M-parameter model of `family`'s architecture: text hidden 128 (4 heads of 32), 3
+    layers; vision hidden 96, depth 2 (Qwen2.5-VL: 14 px patches, windowed attention only, no
+    full-attention block, like the local attention of real towers; Qwen3-VL: 16 px patches, its
+    deepstack feature added at the first LLM layer). Returns (model, processor)."""
+    from transformers import Qwen2VLImageProcessor
 
     tok = build_tokenizer()
-    config = Qwen2_5_VLConfig(
-        text_config=dict(
-            vocab_size=len(tok),
-            hidden_size=128,
-            intermediate_size=256,
-            num_hidden_layers=3,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            max_position_embeddings=8192,
-            rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [4, 6, 6]},
-            bos_token_id=None,
-            eos_token_id=tok.eos_token_id,
-            pad_token_id=tok.pad_token_id,
-        ),
-        vision_config=dict(
-            depth=2,
-            hidden_size=96,
-            intermediate_size=192,
-            num_heads=2,
-            patch_size=14,
-            spatial_merge_size=2,
-            temporal_patch_size=2,
-            window_size=112,
-            out_hidden_size=128,
-            fullatt_block_indexes=[],
-            tokens_per_second=2,
-        ),
-        **_token_ids(tok),
+    text = dict(
+        vocab_size=len(tok),
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=8192,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
     )
+    vision = dict(depth=2, hidden_size=96, intermediate_size=192, num_heads=2, spatial_merge_size=2)
+    vision.update(temporal_patch_size=2, out_hidden_size=128)
+    if family == "qwen25vl":
+        from transformers import (
+            Qwen2_5_VLConfig,
+            Qwen2_5_VLForConditionalGeneration,
+            Qwen2_5_VLProcessor,
+            Qwen2VLVideoProcessor,
+        )
+
+        text.update(
+            bos_token_id=None,
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [4, 6, 6]},
+        )
+        vision.update(patch_size=14, window_size=112, fullatt_block_indexes=[], tokens_per_second=2)
+        classes = Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration, Qwen2_5_VLProcessor, Qwen2VLVideoProcessor
+    elif family == "qwen3vl":
+        from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration, Qwen3VLProcessor, Qwen3VLVideoProcessor
+
+        rope = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [6, 5, 5], "mrope_interleaved": True}
+        text.update(head_dim=32, rope_parameters=rope)
+        vision.update(patch_size=16, num_position_embeddings=256, deepstack_visual_indexes=[0])
+        classes = Qwen3VLConfig, Qwen3VLForConditionalGeneration, Qwen3VLProcessor, Qwen3VLVideoProcessor
+    else:
+        raise ValueError(f"needle backbones are qwen25vl or qwen3vl, got {family!r}")
+    config_cls, model_cls, processor_cls, video_processor_cls = classes
+    config = config_cls(text_config=text, vision_config=vision, **_token_ids(tok))
     torch.manual_seed(seed)
-    model = Qwen2_5_VLForConditionalGeneration(config)
-    common = dict(patch_size=14, merge_size=2, temporal_patch_size=2, image_mean=IMAGE_MEAN, image_std=IMAGE_STD)
-    processor = Qwen2_5_VLProcessor(
+    model = model_cls(config)
+    patch = vision["patch_size"]
+    common = dict(patch_size=patch, merge_size=2, temporal_patch_size=2, image_mean=IMAGE_MEAN, image_std=IMAGE_STD)
+    processor = processor_cls(
         image_processor=Qwen2VLImageProcessor(**common),
-        video_processor=Qwen2VLVideoProcessor(**common),
+        video_processor=video_processor_cls(**common),
         tokenizer=tok,
         chat_template=CHAT_TEMPLATE,
     )
@@ -141,7 +146,7 @@ def sample_scales(rng: np.random.Generator, pairs: int, evidence: int) -> np.nda
 
 
 def train_answer_stage(
-    adapter: Qwen25VLAdapter,
+    adapter: QwenVideoAdapter,
     rng,
     steps: int,
     batch: int,
@@ -205,20 +210,25 @@ def train_backbone(
     lr: float = 1e-3,
     cue_fraction: float = 0.0,
     progress: bool = True,
+    family: str = "qwen25vl",
 ) -> Path:
     """Train both stages (or continue from the `init` folder) and `save_pretrained` model and
-    processor to `out`; `cue_fraction`: share of training videos rendered with the cue."""
+    processor to `out`; `cue_fraction`: share of training videos rendered with the cue; `family`:
+    qwen25vl or qwen3vl (a new backbone's architecture; `init` keeps its own)."""
     torch.manual_seed(seed)
     rng = np.random.default_rng(seed)
     if init:
-        adapter = Qwen25VLAdapter.from_pretrained(init, dtype="float32")
+        from transformers import AutoConfig
+
+        family = {"qwen2_5_vl": "qwen25vl", "qwen3_vl": "qwen3vl"}[AutoConfig.from_pretrained(init).model_type]
+        adapter = ADAPTERS[family].from_pretrained(init, dtype="float32")
         model, processor = adapter.model, adapter.processor
     else:
-        model, processor = build_needle_backbone(seed)
+        model, processor = build_needle_backbone(seed, family)
     model.train()
     t0 = time.perf_counter()
     train_vision_stage(model, processor, rng, stage1_steps, batch, 2e-3, progress, cue_fraction)
-    adapter = Qwen25VLAdapter(model, processor)
+    adapter = ADAPTERS[family](model, processor)
     train_answer_stage(
         adapter,
         rng,
@@ -236,7 +246,7 @@ def train_backbone(
     processor.save_pretrained(out)
     with open(out / "training.txt", "a") as log:
         log.write(
-            f"init={init} seed={seed} stage1_steps={stage1_steps} stage2_steps={stage2_steps} batch={batch} lr={lr} "
-            f"cue_fraction={cue_fraction} seconds={time.perf_counter() - t0:.0f}\n"
+            f"family={family} init={init} seed={seed} stage1_steps={stage1_steps} stage2_steps={stage2_steps} "
+            f"batch={batch} lr={lr} cue_fraction={cue_fraction} seconds={time.perf_counter() - t0:.0f}\n"
         )
     return out
