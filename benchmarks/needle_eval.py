@@ -1,6 +1,6 @@
 """Needle backbone accuracy: vanilla, FixedScale and the oracle allocation at the same R.
 
-    .venv/bin/python benchmarks/needle_eval.py [--backbone results/needle/backbone-qwen25vl]
+    .venv/bin/python benchmarks/needle_eval.py [--backbone results/needle/backbone-qwen25vl (or -qwen3vl)]
         [--data fixtures/needle/test.jsonl] [--limit 400] [--retention 0.25]
 
 Oracle: the evidence pair at full size, the other pairs at 0.3, projected to the target R by the
@@ -14,7 +14,7 @@ import json
 
 import numpy as np
 
-from resadapt_eval.backbones.qwen import Qwen25VLAdapter
+from resadapt_eval.backbones.qwen import ADAPTERS, family_of
 from resadapt_eval.budget.plan import fixed_scale_for_retention, plan_from_scales, project_to_retention
 from resadapt_eval.needle.data import FRAMES, QUESTION, SIZE
 from resadapt_eval.video import decode_video
@@ -27,7 +27,7 @@ def main() -> None:
     parser.add_argument("--limit", type=int, default=400)
     parser.add_argument("--retention", type=float, default=0.25)
     args = parser.parse_args()
-    adapter = Qwen25VLAdapter.from_pretrained(args.backbone, dtype="float32")
+    adapter = ADAPTERS[family_of(args.backbone)].from_pretrained(args.backbone, dtype="float32")
     prompt = adapter.processor.apply_chat_template(
         [{"role": "user", "content": [{"type": "video", "video": "v"}, {"type": "text", "text": QUESTION}]}],
         tokenize=False,

@@ -365,3 +365,12 @@ class Qwen3VLAdapter(QwenVideoAdapter):
 
 
 ADAPTERS = {"qwen25vl": Qwen25VLAdapter, "qwen3vl": Qwen3VLAdapter}
+
+
+def family_of(pretrained: str) -> str:
+    """`qwen25vl` or `qwen3vl`: the family of the checkpoint at `pretrained` (read from its config)."""
+    model_type = AutoConfig.from_pretrained(pretrained).model_type
+    for family, adapter in ADAPTERS.items():
+        if adapter.layout_cls.model_type == model_type:
+            return family
+    raise ValueError(f"{pretrained} is a {model_type} checkpoint; known families: {', '.join(ADAPTERS)}")

@@ -21,7 +21,7 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
-from ..backbones.qwen import ADAPTERS, QwenVideoAdapter
+from ..backbones.qwen import ADAPTERS, QwenVideoAdapter, family_of
 from ..budget.plan import plan_from_scales
 from ..fixtures import CHAT_TEMPLATE, IMAGE_MEAN, IMAGE_STD, _token_ids, build_tokenizer
 from ..video import DecodedVideo
@@ -218,9 +218,7 @@ def train_backbone(
     torch.manual_seed(seed)
     rng = np.random.default_rng(seed)
     if init:
-        from transformers import AutoConfig
-
-        family = {"qwen2_5_vl": "qwen25vl", "qwen3_vl": "qwen3vl"}[AutoConfig.from_pretrained(init).model_type]
+        family = family_of(init)
         adapter = ADAPTERS[family].from_pretrained(init, dtype="float32")
         model, processor = adapter.model, adapter.processor
     else:
