@@ -166,14 +166,18 @@ class EngineOutput:
 class Backbone(Protocol):
     """What `VideoPipeline` needs from an engine (the HF adapter, `VLLMBackbone`).
 
-    layout: its `QwenLayout`; device: where the Allocator runs; compresses_tokens: it can run
-    AFTER_MERGER methods; serves_images: it answers image requests; video_pruning_method: the
-    engine's own video pruning (an IN_ENGINE method's `engine_pruning`), None when it has none,
-    at video_pruning_rate (the fraction of video tokens it drops);
-    where it has one, `pruned_visual_tokens(plan)` counts the tokens of `plan` it keeps. `build_*` return the engine's
-    request for one sample, from frames already resized by the layout; `generate_batch` answers
-    several, an `EngineOutput` each. vision_timer: times the vision tower where it runs outside
-    `generate_batch` (a compressor's encode); None where the engine does not expose its tower.
+    layout: its `QwenLayout`; device: where the Allocator runs; serves_images: it answers image
+    requests. `build_*` return the engine's request for one sample, from frames already resized by
+    the layout; `generate_batch` answers several, an `EngineOutput` each. vision_timer: times the
+    vision tower where it runs outside `generate_batch` (a compressor's encode); None where the
+    engine does not expose its tower.
+
+    compresses_tokens: it runs AFTER_MERGER and INSIDE_LLM methods (`build_compressed_inputs`, and
+    `build_pruned_inputs` / `build_decode_pruned_inputs` with the LLM's `num_text_layers` and
+    `first_prunable_layer`; the HF adapter). video_pruning_method / video_pruning_rate: the engine's
+    own video pruning (an IN_ENGINE method's `engine_pruning`) and the fraction of video tokens it
+    drops, None when it has none; where it has one, `pruned_visual_tokens(plan)` counts the tokens
+    of `plan` it keeps (`VLLMBackbone`).
     """
 
     layout: QwenLayout
