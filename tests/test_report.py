@@ -296,3 +296,14 @@ def test_cells_are_named_and_keyed_by_everything_that_sets_their_result():
         assert config_key(variant) != config_key(base), name
     assert config_key(cell_config(card, cell, ["t"], 4)) == config_key(base)
     assert config_changes(base, variants["card model_args"]) == ["card.model_args.s_max: 1.8 -> 1.0"]
+
+
+def test_every_method_has_its_own_style_and_the_papers_methods_the_strong_colours():
+    from resadapt_eval.methods import METHODS
+    from resadapt_eval.report.plots import method_style
+
+    styles = {m: method_style(m) for m in METHODS}
+    assert len({(s["color"], s["marker"]) for s in styles.values()}) == len(METHODS)
+    paper = [m for m, spec in METHODS.items() if spec.in_paper]
+    tab20 = __import__("matplotlib").pyplot.get_cmap("tab20")
+    assert [styles[m]["color"] for m in paper] == [tab20(2 * i) for i in range(len(paper))]

@@ -149,7 +149,7 @@ class VLLMBackbone:
         keep = self.pruned_visual_tokens(plan)
         if keep > plan.visual_tokens * (1 - self.video_pruning_rate) + 1e-9:
             raise InfeasibleBudget(
-                1 - self.video_pruning_rate,
+                round(1 - self.video_pruning_rate, 9),  # the target R (the rate is 1 - R, or the float below)
                 keep / plan.visual_tokens,
                 f"vLLM's {self.video_pruning_method}, which keeps the first of {len(plan.pair_sizes)} pairs whole",
             )

@@ -68,9 +68,12 @@ MARKERS = "osD^v<>pPX*h"
 
 def method_style(method: str) -> dict:
     """A colour and marker per registered method, fixed by its registry position, so every plot
-    draws a method the same way and no two of up to 20 methods share both."""
-    index = list(METHODS).index(method)
-    return dict(color=plt.get_cmap("tab20")(index % 20), marker=MARKERS[index % len(MARKERS)])
+    draws a method the same way and no two of up to 20 methods share both: the paper's seven
+    methods take tab20's strong colours, the others its light ones."""
+    order = [m for m, spec in METHODS.items() if spec.in_paper] + [m for m, s in METHODS.items() if not s.in_paper]
+    index = order.index(method)
+    shade = 2 * index if index < 10 else 2 * (index - 10) + 1
+    return dict(color=plt.get_cmap("tab20")(shade % 20), marker=MARKERS[index % len(MARKERS)])
 
 
 def pareto_figure(runs: list[CellRun], column: str, frames: int, axis: str = "retention"):
