@@ -59,6 +59,24 @@ def test_pyramiddrop_lambda_by_hand():
         pyramiddrop.stages(32, 1000, 0.25)
 
 
+def attention_input(adapter, inputs, layer: int):
+    """(hidden states, (cos, sin)) entering decoder layer `layer`'s attention in a plain forward of `inputs`."""
+    captured = {}
+
+    def capture(module, args, kwargs):
+        captured["in"] = (kwargs["hidden_states"], kwargs["position_embeddings"])
+
+    attention = adapter.model.model.language_model.layers[layer].self_attn
+    handle = attention.register_forward_pre_hook(capture, with_kwargs=True)
+    try:
+        adapter.model.model.rope_deltas = None
+        with torch.no_grad():
+            adapter.model(**inputs)
+    finally:
+        handle.remove()
+    return captured["in"]
+
+
 @pytest.mark.parametrize("backbone", BACKBONES)
 def test_ranking_is_the_last_tokens_row_of_the_eager_attention_map(eager_adapters, fixtures_dir, backbone):
     """FastV's rule, from the model's own attention maps: the top-k visual tokens by the last
@@ -104,19 +122,7 @@ def test_ranking_is_the_last_tokens_row_of_the_eager_attention_map(eager_adapter
     for ours, full in zip(seen["rotary"], seen["full_rotary"]):
         assert torch.equal(ours, full[:, kept])  # each kept token at its original position
     # and our row equals the eager map's
-    hidden = {}
-
-    def capture_input(module, args, kwargs):
-        hidden["in"] = (kwargs["hidden_states"], kwargs["position_embeddings"])
-
-    handle = language_model.layers[k_layer - 1].self_attn.register_forward_pre_hook(capture_input, with_kwargs=True)
-    try:
-        adapter.model.model.rope_deltas = None
-        with torch.no_grad():
-            adapter.model(**inputs)
-    finally:
-        handle.remove()
-    states, (cos, sin) = hidden["in"]
+    states, (cos, sin) = attention_input(adapter, inputs, k_layer - 1)
     with torch.no_grad():
         ours = last_token_attention(language_model.layers[k_layer - 1].self_attn, states, cos, sin)
     assert torch.allclose(ours, row, atol=1e-6)

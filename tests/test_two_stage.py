@@ -23,7 +23,7 @@ from resadapt_eval.pipeline import VideoPipeline, VideoPipelineConfig
 
 from .test_backbones import chat_prompt, first_logits_and_text, synthetic_video
 from .test_flops import video_request
-from .test_inside_llm import eager_adapters  # noqa: F401  (fixture)
+from .test_inside_llm import attention_input, eager_adapters  # noqa: F401  (fixture)
 
 BACKBONES = ["qwen25vl", "qwen3vl"]
 TWO_STAGE = [name for name, m in METHODS.items() if m.compress is not None and m.prune is not None]
@@ -90,19 +90,7 @@ def test_prunevid_ranks_by_the_texts_attention_in_the_eager_map(eager_adapters, 
     with torch.no_grad(), pruner.attached():
         adapter.model(**inputs)
     assert set(pruner.kept_by_layer[k_layer].tolist()) & set(visual.tolist()) == expected
-    captured = {}
-
-    def capture(module, args, kwargs):
-        captured["in"] = (kwargs["hidden_states"], kwargs["position_embeddings"])
-
-    handle = language_model.layers[k_layer - 1].self_attn.register_forward_pre_hook(capture, with_kwargs=True)
-    try:
-        adapter.model.model.rope_deltas = None
-        with torch.no_grad():
-            adapter.model(**inputs)
-    finally:
-        handle.remove()
-    states, (cos, sin) = captured["in"]
+    states, (cos, sin) = attention_input(adapter, inputs, k_layer - 1)
     with torch.no_grad():
         ours = text_attention(language_model.layers[k_layer - 1].self_attn, states, cos, sin, after)
     assert torch.allclose(ours, rows.amax(dim=(0, 1)), atol=1e-6)

@@ -29,6 +29,20 @@ from .layout import LAYOUTS, EngineOutput
 from .vllm_plugin import QWEN25VL_ARCHITECTURE
 
 
+def video_item(frames: torch.Tensor, meta) -> tuple:
+    """One vLLM video item: uint8 frames (T, 3, h, w) as (T, h, w, 3) and the HF path's
+    `VideoMetadata` `meta` as vLLM's metadata dict (frames already sampled)."""
+    metadata = dict(
+        fps=meta.fps,
+        total_num_frames=meta.total_num_frames,
+        frames_indices=list(meta.frames_indices),
+        duration=meta.total_num_frames / meta.fps,
+        video_backend="decord",
+        do_sample_frames=False,
+    )
+    return frames.permute(0, 2, 3, 1).numpy(), metadata
+
+
 class VLLMBackbone:
     """A Qwen2.5-VL / Qwen3-VL checkpoint in a `vllm.LLM`, fed per-pair plans (a `layout.Backbone`
     for video requests: token compression and images run on the HF adapter).
@@ -126,16 +140,7 @@ class VLLMBackbone:
         pairs = pairs if pairs is not None else self.layout.resized_pairs(video, plan)
         items = []
         for resized, meta in zip(pairs, self.layout.pair_metadata(video, plan)):
-            frames = resized.permute(0, 2, 3, 1).numpy()  # (2, h, w, 3) uint8
-            metadata = dict(
-                fps=meta.fps,
-                total_num_frames=meta.total_num_frames,
-                frames_indices=list(meta.frames_indices),
-                duration=meta.total_num_frames / meta.fps,
-                video_backend="decord",
-                do_sample_frames=False,
-            )
-            items.append((frames, metadata))
+            items.append(video_item(resized, meta))  # (2, h, w, 3) uint8
         return {"prompt": text, "multi_modal_data": {"video": items}}
 
     @property
@@ -154,17 +159,8 @@ class VLLMBackbone:
                 f"vLLM's {self.video_pruning_method}, which keeps the first of {len(plan.pair_sizes)} pairs whole",
             )
         pairs = pairs if pairs is not None else self.layout.resized_pairs(video, plan)
-        frames = torch.cat(pairs).permute(0, 2, 3, 1).numpy()  # (T, h, w, 3) uint8
-        meta = self.layout.video_metadata(video)
-        metadata = dict(
-            fps=meta.fps,
-            total_num_frames=meta.total_num_frames,
-            frames_indices=list(meta.frames_indices),
-            duration=meta.total_num_frames / meta.fps,
-            video_backend="decord",
-            do_sample_frames=False,
-        )
-        return {"prompt": self.layout.video_prompt(prompt, 1), "multi_modal_data": {"video": [(frames, metadata)]}}
+        item = video_item(torch.cat(pairs), self.layout.video_metadata(video))  # (T, h, w, 3) uint8
+        return {"prompt": self.layout.video_prompt(prompt, 1), "multi_modal_data": {"video": [item]}}
 
     def pruned_visual_tokens(self, plan: ResizePlan) -> int:
         """Visual tokens vLLM's pruning keeps of a one-size `plan` (its own count, which keeps at
