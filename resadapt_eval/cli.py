@@ -13,7 +13,7 @@ import yaml
 from .fixtures import write_fixtures
 from .manifest import REPO
 from .methods import METHODS
-from .needle.data import EVIDENCE_PAIRS
+from .needle.data import CANDIDATES, EVIDENCE_PAIRS, LONG_FRAMES, VARIANTS
 
 HF_METHODS = ",".join(name for name, method in METHODS.items() if method.hf)
 PAPER_METHODS = ",".join(name for name, method in METHODS.items() if method.in_paper)
@@ -27,7 +27,7 @@ def cmd_fixtures(args) -> int:
 
 
 def cmd_sweep(args) -> int:
-    from .sweep import ChangedCells, load_card, plan_cells, run_sweep
+    from .sweep import ChangedCells, ensure_needle_data, load_card, plan_cells, run_sweep
 
     card = load_card(args.card)
     if args.model_args:  # part of every cell's configuration, as the card's own model_args are
@@ -36,6 +36,7 @@ def cmd_sweep(args) -> int:
     frames = [int(f) for f in args.frames.split(",")] if args.frames else card.frames
     tasks = args.tasks.split(",") if args.tasks else card.tasks
     cells = plan_cells(args.methods.split(","), [float(r) for r in args.retention.split(",")], frames)
+    ensure_needle_data(card, args.limit)
     try:
         records = run_sweep(
             card,
@@ -166,6 +167,8 @@ def cmd_needle_make_data(args) -> int:
         seed=args.seed,
         cue=args.cue,
         evidence_pairs=args.evidence_pairs,
+        variant=args.variant,
+        candidates=args.candidates,
     ).items():
         print(f"{split}: {path}")
     return 0
@@ -184,6 +187,8 @@ def cmd_needle_train_backbone(args) -> int:
         lr=args.lr,
         cue_fraction=args.cue_fraction,
         family=args.family,
+        variant=args.variant,
+        vision_lr_scale=args.vision_lr_scale,
     )
     print(f"needle backbone: {out}")
     return 0
@@ -404,10 +409,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--evidence-pairs",
         type=int,
-        default=EVIDENCE_PAIRS,
-        help=f"the evidence pair is drawn from the first N of the 8 pairs "
-        f"(default {EVIDENCE_PAIRS}: the first half; 8: anywhere)",
+        default=None,
+        help=f"the evidence pair is drawn from the first N pairs (default: single, {EVIDENCE_PAIRS} of 8, "
+        f"the first half; long: anywhere)",
     )
+    p.add_argument(
+        "--variant",
+        default="single",
+        choices=VARIANTS,
+        help="single: one glyph, 16 frames; query: k candidate glyphs in coloured borders, the question names one; "
+        f"long: {LONG_FRAMES} frames, the evidence one pair",
+    )
+    p.add_argument("--candidates", type=int, default=CANDIDATES, help="query variant: candidate pairs a video (2-4)")
     p.set_defaults(func=cmd_needle_make_data)
     p = needle.add_parser(
         "train-backbone", help="train a tiny Qwen2.5-VL- or Qwen3-VL-architecture needle backbone (two stages, CPU)"
@@ -423,12 +436,22 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--init", default=None, help="continue training this backbone folder (use --stage1-steps 0)")
-    p.add_argument("--lr", type=float, default=1e-3, help="stage-2 learning rate (vision x0.2)")
+    p.add_argument("--lr", type=float, default=1e-3, help="stage-2 learning rate")
+    p.add_argument(
+        "--vision-lr-scale", type=float, default=0.2, help="stage-2 vision tower learning rate / --lr (0: frozen)"
+    )
     p.add_argument(
         "--cue-fraction",
         type=float,
         default=0.0,
         help="share of training videos with the --cue border on their evidence frames",
+    )
+    p.add_argument(
+        "--variant",
+        default="single",
+        choices=VARIANTS,
+        help="the needle data stage 2 trains on (query: the question names one of several candidates; "
+        "long: up to 64 pairs, mostly small)",
     )
     p.set_defaults(func=cmd_needle_train_backbone)
     p = needle.add_parser("train-allocator", help="CAPO-train the Allocator on the frozen needle backbone (CPU)")

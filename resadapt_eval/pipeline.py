@@ -29,6 +29,8 @@ from .methods import BEFORE_ENCODER, IN_ENGINE, INSIDE_LLM, METHODS, NO_RETENTIO
 from .record import SampleRecord, build_record
 from .video import DecodedVideo, decode_video, read_image
 
+ALLOCATOR_QUERIES = ("question", "empty")
+
 
 @dataclass
 class VideoPipelineConfig:
@@ -36,7 +38,8 @@ class VideoPipelineConfig:
     strict: raise a failed sample's exception instead of recording it; num_threads: torch's
     intra-op threads for this process (None: torch's default for one process, the machine's CPUs
     divided among the processes when several run, see `apply_num_threads`); prune_layers: the
-    decoder layers where an inside-the-LLM method prunes, comma-separated (None: the method's own)."""
+    decoder layers where an inside-the-LLM method prunes, comma-separated (None: the method's own);
+    allocator_query: what the Allocator reads as the query, `question` or `empty` (the ablation)."""
 
     method: str = "vanilla"
     max_num_frames: int = 32
@@ -47,6 +50,7 @@ class VideoPipelineConfig:
     allocator_inference: str = "mean"
     allocator_quantile: float = 0.5
     allocator_seed: int = 0
+    allocator_query: str = "question"
     compression_seed: int = 0
     operator: str = "resize"
     candidates: int = 128
@@ -94,6 +98,10 @@ class VideoPipelineConfig:
         for name, value in at_least_one.items():
             if value is not None and value < 1:
                 raise ValueError(f"{name} must be at least 1, got {value}")
+        if self.allocator_query not in ALLOCATOR_QUERIES:
+            raise ValueError(f"allocator_query must be one of {ALLOCATOR_QUERIES}, got {self.allocator_query!r}")
+        if self.allocator_query != "question" and not method.needs_allocator:
+            raise ValueError(f"allocator_query= is only used by method=resadapt, not {self.method!r}")
         if not 0 < self.allocator_quantile < 1:
             raise ValueError(f"allocator_quantile must be in (0, 1), got {self.allocator_quantile}")
         if self.min_pixels is not None and self.max_pixels is not None and self.min_pixels > self.max_pixels:
@@ -306,8 +314,9 @@ class VideoPipeline:
         if self.allocator is None or not alive:
             return {i: Scores() for i in alive}
         sequences = [[item.frames for item in decoded[i].items] for i in alive]
+        queries = {i: self.allocator_query(requests[i]) for i in alive}
         try:
-            raw, seconds = self.allocator.raw_scales_batch(sequences, [requests[i].query for i in alive])
+            raw, seconds = self.allocator.raw_scales_batch(sequences, [queries[i] for i in alive])
         except Exception as exc:
             return self._fail_together(alive, exc, failed)
         out = {}
@@ -319,9 +328,14 @@ class VideoPipeline:
                 seconds["allocator_text_s"],
                 seconds["allocator_visual_s"],
                 seconds["allocator_predict_s"],
-                self.allocator.flops(sum(lengths), requests[i].query),
+                self.allocator.flops(sum(lengths), queries[i]),
             )
         return out
+
+    def allocator_query(self, request: Request) -> str:
+        """The text the Allocator reads: the request's query, or "" under `allocator_query=empty`
+        (the query ablation: the backbone still reads the question)."""
+        return request.query if self.config.allocator_query == "question" else ""
 
     def _fail_together(self, alive: list[int], exc: Exception, failed: dict) -> dict:
         """A stage that ran for several samples at once failed: all of them fail with it."""

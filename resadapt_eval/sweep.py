@@ -39,7 +39,9 @@ class ModelCard:
     max_num_frames values; model_args: extra model_args for every cell (pixels, s-range, dtype,
     ...); allocator: checkpoint for method=resadapt (`untrained` = the untrained default, on purpose); gen_kwargs:
     lmms-eval --gen_kwargs; tasks / include_path: default tasks and where custom tasks live;
-    paper_backbone: the paper's name for this backbone (for `tables --paper`); description: Markdown.
+    paper_backbone: the paper's name for this backbone (for `tables --paper`); description: Markdown;
+    needle_data: a needle test split the card's task reads, written before the sweep when missing
+    (`variant`, `out` (folder, relative to the card), `videos`, `cue`; see `ensure_needle_data`).
     """
 
     name: str
@@ -53,6 +55,7 @@ class ModelCard:
     include_path: str | None = None
     paper_backbone: str | None = None
     description: str = ""
+    needle_data: dict | None = None
 
 
 def load_card(path: str | Path) -> ModelCard:
@@ -83,7 +86,30 @@ def load_card(path: str | Path) -> ModelCard:
     if raw.get("allocator") not in (None, "untrained"):
         raw["allocator"] = local(raw["allocator"])
     raw["frames"] = [int(f) for f in raw.get("frames", [32])]
+    if raw.get("needle_data") is not None:
+        data = dict(raw["needle_data"])
+        extra = sorted(set(data) - {"variant", "out", "videos", "cue"})
+        if extra or "out" not in data:
+            raise ValueError(f"{path}: needle_data takes variant, out, videos, cue (out required); got {sorted(data)}")
+        data["out"] = str((path.parent / data["out"]).resolve())
+        raw["needle_data"] = data
     return ModelCard(**raw)
+
+
+def ensure_needle_data(card: ModelCard, limit: int | None = None, echo=print) -> Path | None:
+    """Write the card's needle test split when it is missing or short: `videos` rows (at least
+    `limit`) of `resadapt-eval needle make-data --variant V [--cue] --out OUT`'s test split."""
+    if card.needle_data is None:
+        return None
+    from .needle.data import ensure_test_split
+
+    data = card.needle_data
+    count = max(int(data.get("videos", 400)), limit or 0)
+    jsonl = ensure_test_split(
+        data["out"], count, cue=bool(data.get("cue", True)), variant=data.get("variant", "single")
+    )
+    echo(f"needle data: {jsonl}")
+    return jsonl
 
 
 @dataclass(frozen=True)

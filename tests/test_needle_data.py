@@ -5,7 +5,7 @@ import json
 import numpy as np
 import pytest
 
-from resadapt_eval.needle.data import CLASSES, glyph_pattern, make_split
+from resadapt_eval.needle.data import CLASSES, COLOURS, LONG_FRAMES, glyph_pattern, make_split
 from resadapt_eval.video import decode_video
 
 
@@ -60,11 +60,14 @@ def test_backbone_trainer_runs_both_stages_and_saves(tmp_path, family):
         assert config.vision_config.fullatt_block_indexes == []
     else:  # 16 px patches, one deepstack feature
         assert config.vision_config.patch_size == 16 and config.vision_config.deepstack_visual_indexes == [0]
-    assert f"family={family} init=None seed=0 stage1_steps=2 stage2_steps=2" in (out / "training.txt").read_text()
+    assert (
+        f"family={family} variant=single init=None seed=0 stage1_steps=2 stage2_steps=2"
+        in (out / "training.txt").read_text()
+    )
     # continuing from the saved model keeps its architecture and appends to the log
     train_backbone(out, stage1_steps=0, stage2_steps=1, batch=2, init=str(out), progress=False)
     assert len((out / "training.txt").read_text().splitlines()) == 2
-    assert f"family={family} init={out}" in (out / "training.txt").read_text()
+    assert f"family={family} variant=single init={out}" in (out / "training.txt").read_text()
 
 
 def test_evidence_pairs_widens_where_the_evidence_may_sit(tmp_path):
@@ -84,3 +87,113 @@ def test_make_data_skips_empty_splits(tmp_path):
     written = make_data(tmp_path, train=0, val=0, test=2, seed=0)
     assert list(written) == ["test"] and not (tmp_path / "train.jsonl").exists()
     assert len(written["test"].read_text().splitlines()) == 2
+
+
+def alternation(frame):
+    """Largest second difference along rows or columns: pixel-scale detail (the glyph)."""
+    return max(np.abs(np.diff(frame.astype(int), n=2, axis=axis)).max() for axis in (0, 1))
+
+
+def test_query_split_names_one_of_several_coloured_candidates(tmp_path):
+    rows = [
+        json.loads(line)
+        for line in make_split(tmp_path, "test", 4, seed=3, variant="query", progress=False).read_text().splitlines()
+    ]
+    for row in rows:
+        video = decode_video(row["video_path"], 16)
+        pairs = row["candidate_pairs"]
+        assert len(pairs) == len(set(pairs)) == 3 and row["evidence_pair"] in pairs
+        assert f"with the {row['colour']} border" in row["question"] and row["variant"] == "query"
+        assert row["question"].startswith("Which symbol appears in the video?")  # the single question, then the colour
+        # the asked pair's frames carry the named colour as their border (8 px, lossless)
+        frame = video.frames[2 * row["evidence_pair"]].astype(int)
+        assert np.abs(frame[2, 100] - np.array(COLOURS[row["colour"]])).max() <= 3
+        # the other pairs carry neither glyph nor card nor border (their soft shapes stay below 100)
+        for pair in set(range(8)) - set(pairs):
+            assert alternation(video.frames[2 * pair]) < 100 < alternation(video.frames[2 * pairs[0]])
+        # the border colours of the three candidates differ
+        borders = {tuple(video.frames[2 * p][2, 100] // 40) for p in pairs}
+        assert len(borders) == 3
+    with pytest.raises(ValueError, match="candidates must be in 2..4"):
+        make_split(tmp_path, "bad", 1, seed=1, variant="query", candidates=5, progress=False)
+
+
+def test_query_candidates_have_distinct_classes_and_each_its_glyph_on_its_card():
+    from dataclasses import replace
+
+    from resadapt_eval.needle.data import random_query, render_query_video
+
+    rng = np.random.default_rng(0)
+    for _ in range(50):
+        specs, target = random_query(rng)
+        assert (
+            len({s.label for s in specs})
+            == len({s.colour for s in specs})
+            == len({s.evidence_pair for s in specs})
+            == 3
+        )
+        assert 0 <= target < 3
+    # a candidate rendered without its glyph (contrast 0: the backbone curriculum's distractor)
+    # differs from the full video only inside that glyph's box, by its pattern
+    with_glyph = render_query_video(np.random.default_rng(1), specs)
+    blank = [replace(s, contrast=0.0) if k == 0 else s for k, s in enumerate(specs)]
+    without = render_query_video(np.random.default_rng(1), blank)
+    s = specs[0]
+    changed = np.argwhere(np.any(with_glyph != without, axis=-1))
+    assert set(changed[:, 0]) == {2 * s.evidence_pair, 2 * s.evidence_pair + 1}
+    assert changed[:, 1].min() >= s.y and changed[:, 1].max() < s.y + s.glyph
+    assert changed[:, 2].min() >= s.x and changed[:, 2].max() < s.x + s.glyph
+    # on the card: the card colour plus the pattern, clipped to 0-255
+    patch = with_glyph[2 * s.evidence_pair, s.y : s.y + s.glyph, s.x : s.x + s.glyph].astype(float)
+    expected = np.clip(np.array(COLOURS[s.colour]) + 60.0 * glyph_pattern(s.label, s.glyph)[..., None], 0, 255)
+    assert np.abs(patch - expected).max() <= 4  # pixel noise of standard deviation 1
+
+
+def test_long_split_has_128_frames_and_one_evidence_pair_anywhere(tmp_path):
+    rows = [
+        json.loads(line)
+        for line in make_split(tmp_path, "test", 2, seed=4, cue=True, variant="long", progress=False)
+        .read_text()
+        .splitlines()
+    ]
+    assert LONG_FRAMES == 128
+    for row in rows:
+        video = decode_video(row["video_path"], LONG_FRAMES)
+        assert video.frames.shape == (128, 224, 224, 3) and row["variant"] == "long"
+        first, second = row["evidence_frames"]
+        assert second == first + 1 and 0 <= row["evidence_pair"] < 64
+        detail = [t for t in range(128) if alternation(video.frames[t]) > 100]  # glyph and border edge
+        white_border = [t for t in range(128) if video.frames[t][2, 100].min() >= 250]
+        assert detail == white_border == [first, second]
+    # the product's frame selection: 8 uniform frames of 128 rarely land on the pair
+    from resadapt_eval.budget.plan import uniform_frame_indices
+
+    indices = uniform_frame_indices(128, 8)
+    hits = sum(bool({2 * p, 2 * p + 1} & set(indices)) for p in range(64))
+    assert hits == 8  # 8 of the 64 pairs hold one sampled frame: vanilla at 8 frames sees 1 in 8
+
+
+@pytest.mark.parametrize("name", ["needle-query-qwen25vl", "needle-long-qwen25vl"])
+def test_needle_cards_write_their_test_split_on_demand(name, tmp_path):
+    from dataclasses import replace
+    from pathlib import Path
+
+    from resadapt_eval.sweep import ensure_needle_data, load_card
+
+    cards = Path(__file__).resolve().parent.parent / "model_cards"
+    card = load_card(cards / f"{name}.yaml")
+    variant = name.split("-")[1]
+    assert card.needle_data["variant"] == variant and card.needle_data["videos"] == 400
+    assert card.needle_data["out"] == str((cards.parent / "fixtures" / f"needle-{variant}").resolve())
+    assert (cards.parent / "tasks" / f"resadapt_needle_{variant}" / f"resadapt_needle_{variant}.yaml").is_file()
+    # a fresh clone: the folder is missing, the sweep writes the split (here 2 videos, into tmp_path)
+    small = replace(card, needle_data={**card.needle_data, "out": str(tmp_path), "videos": 2})
+    jsonl = ensure_needle_data(small, echo=lambda *_: None)
+    rows = [json.loads(line) for line in jsonl.read_text().splitlines()]
+    assert len(rows) == 2 and {r["variant"] for r in rows} == {variant}
+    written = jsonl.stat().st_mtime_ns
+    assert ensure_needle_data(small, echo=lambda *_: None) == jsonl and jsonl.stat().st_mtime_ns == written  # kept
+    bad = tmp_path / "bad.yaml"
+    bad.write_text((cards / f"{name}.yaml").read_text().replace("needle_data: {", "needle_data: {frames: 3, "))
+    with pytest.raises(ValueError, match="needle_data takes variant, out, videos, cue"):
+        load_card(bad)

@@ -125,3 +125,28 @@ def test_an_engine_that_prunes_runs_only_its_pruning_method(adapters):
         VideoPipeline(PruningEngine(), VideoPipelineConfig(method="evs", budget=BudgetSpec(retention=0.25)))
     with pytest.raises(ValueError, match="does not prune, but this engine prunes"):
         VideoPipeline(PruningEngine(), VideoPipelineConfig(method="vanilla"))
+
+
+def test_allocator_query_empty_scores_with_an_empty_query_and_the_backbone_keeps_the_question(adapters):
+    adapter = adapters["qwen25vl"]
+    images = three_images()
+    question = "Which image shows a square?"
+    request = Request(image_prompt(adapter, 3), images=images, query=question, gen_kwargs=dict(max_new_tokens=2))
+    ablated = VideoPipeline(
+        adapter, VideoPipelineConfig(method="resadapt", allocator="untrained", allocator_query="empty")
+    )
+    _, record = ablated.run(request)
+    arrays = [np.asarray(im)[None] for im in images]
+    (empty,), _ = ablated.allocator.raw_scales_batch([arrays], [""])
+    (asked,), _ = ablated.allocator.raw_scales_batch([arrays], [question])
+    assert record.raw_scales == [round(float(s), 6) for s in empty] != [round(float(s), 6) for s in asked]
+    assert record.allocator_flops == ablated.allocator.flops(3, "")  # FLOPs of what it read
+    _, with_question = VideoPipeline(adapter, VideoPipelineConfig(method="resadapt", allocator="untrained")).run(
+        request
+    )
+    # the backbone reads the same question: text tokens equal, only the visual tokens differ
+    assert record.input_tokens - record.visual_tokens == with_question.input_tokens - with_question.visual_tokens
+    with pytest.raises(ValueError, match="allocator_query must be one of"):
+        VideoPipelineConfig(method="resadapt", allocator="untrained", allocator_query="none")
+    with pytest.raises(ValueError, match="allocator_query= is only used by method=resadapt"):
+        VideoPipelineConfig(method="vanilla", allocator_query="empty")

@@ -8,12 +8,16 @@ Two stages (the answer-token loss alone stays at chance on this task):
    downscaled pairs when it can (45% all full; 35% evidence pair at 0.75-1.0 with the rest at
    0.125-0.5; 20% one uniform scale in 0.25-0.875).
 Videos are rendered in memory from seeded specs (no files); `cue_fraction` of them carry the
-`--cue` border on their evidence frames.
+`--cue` border on their evidence frames. `variant="query"` trains stage 2 on the query variant
+(k candidates in coloured borders, the question names one; the mixed-resolution recipe treats the
+asked candidate as the evidence pair); `variant="long"` on up to 64 pairs, mostly small (the
+budget of vanilla at 8 frames), the evidence pair at full size.
 """
 
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -25,7 +29,20 @@ from ..backbones.qwen import ADAPTERS, QwenVideoAdapter, family_of
 from ..budget.plan import plan_from_scales
 from ..fixtures import CHAT_TEMPLATE, IMAGE_MEAN, IMAGE_STD, _token_ids, build_tokenizer
 from ..video import DecodedVideo
-from .data import FPS, FRAMES, LETTERS, QUESTION, SIZE, NeedleSpec, render_video
+from .data import (
+    CANDIDATES,
+    FPS,
+    FRAMES,
+    LETTERS,
+    LONG_FRAMES,
+    QUESTION,
+    SIZE,
+    NeedleSpec,
+    query_question,
+    random_query,
+    render_query_video,
+    render_video,
+)
 
 PAIRS = FRAMES // 2
 
@@ -89,11 +106,14 @@ def build_needle_backbone(seed: int = 0, family: str = "qwen25vl"):
     return model, processor
 
 
-def random_spec(rng: np.random.Generator, glyph_range=(12, 20), pairs: int = PAIRS) -> NeedleSpec:
+def random_spec(
+    rng: np.random.Generator, glyph_range=(12, 20), pairs: int = PAIRS, anywhere: bool = False
+) -> NeedleSpec:
+    """A glyph in one of the first `pairs` pairs (the first half of 8 unless `anywhere`)."""
     glyph = int(rng.integers(glyph_range[0], glyph_range[1] + 1))
     return NeedleSpec(
         label=int(rng.integers(0, 4)),
-        evidence_pair=int(rng.integers(0, min(pairs, PAIRS // 2))),
+        evidence_pair=int(rng.integers(0, pairs if anywhere else min(pairs, PAIRS // 2))),
         glyph=glyph,
         x=int(rng.integers(8, SIZE - glyph - 8)),
         y=int(rng.integers(8, SIZE - glyph - 8)),
@@ -132,8 +152,34 @@ def train_vision_stage(
     return history
 
 
-def sample_scales(rng: np.random.Generator, pairs: int, evidence: int) -> np.ndarray:
-    """Per-frame scales of a stage-2 sample (the mixed-resolution recipe)."""
+def training_sample(
+    rng: np.random.Generator, variant: str, max_pairs: int, cue_fraction: float, distractors: float = 1.0
+) -> tuple[np.ndarray, str, int, int]:
+    """One stage-2 video: uint8 frames, its question, the answer's class and the evidence pair;
+    `distractors`: the chance that a query video's other candidates carry their glyphs (else
+    only their cards and borders)."""
+    if variant == "query":
+        pairs = int(rng.integers(CANDIDATES, max(CANDIDATES, max_pairs) + 1))
+        specs, target = random_query(rng, pairs)
+        if rng.random() >= distractors:
+            specs = [s if k == target else replace(s, contrast=0.0) for k, s in enumerate(specs)]
+        frames = render_query_video(rng, specs, 2 * pairs)
+        return frames, query_question(specs[target].colour), specs[target].label, specs[target].evidence_pair
+    pairs = int(rng.integers(1, max_pairs + 1))
+    spec = random_spec(rng, pairs=pairs, anywhere=variant == "long")
+    cue = bool(cue_fraction and rng.random() < cue_fraction)
+    frames = render_video(rng, spec, cue=cue, num_frames=2 * pairs, noise=variant != "long")
+    return frames, QUESTION, spec.label, spec.evidence_pair
+
+
+def sample_scales(rng: np.random.Generator, pairs: int, evidence: int, variant: str = "single") -> np.ndarray:
+    """Per-frame scales of a stage-2 sample (the mixed-resolution recipe; `long`: all full only
+    up to 8 pairs, else the evidence pair at 0.75-1.0 and the rest at 0.1-0.3, or all at 0.1-0.35)."""
+    if variant == "long" and pairs > PAIRS:
+        pair_scales = rng.uniform(0.1, 0.3, pairs) if rng.random() < 0.7 else np.full(pairs, rng.uniform(0.1, 0.35))
+        if rng.random() < 0.7:
+            pair_scales[evidence] = rng.uniform(0.75, 1.0)
+        return np.repeat(pair_scales, 2)
     u = rng.random()
     if u < 0.45:
         pair_scales = np.ones(pairs)
@@ -154,49 +200,57 @@ def train_answer_stage(
     progress: bool,
     full_curriculum: bool = False,
     cue_fraction: float = 0.0,
+    variant: str = "single",
+    vision_lr_scale: float = 0.2,
 ) -> list[float]:
     """Stage 2: the whole model on the answer letter, through per-pair inputs (`full_curriculum`:
-    up to all pairs from the first step, when continuing a trained model)."""
+    up to all pairs from the first step, when continuing a trained model). Returns each step's
+    share of samples given the answer letter with probability > 0.5; the bar also shows the
+    answer letter's loss (nats; chance over 4 letters: 1.386)."""
+    most_pairs = LONG_FRAMES // 2 if variant == "long" else PAIRS
     model, tok = adapter.model, adapter.tokenizer
     vision = set(id(p) for p in model.model.visual.parameters())
     optimizer = torch.optim.AdamW(
         [
-            {"params": [p for p in model.parameters() if id(p) in vision], "lr": lr * 0.2},
+            {"params": [p for p in model.parameters() if id(p) in vision], "lr": lr * vision_lr_scale},
             {"params": [p for p in model.parameters() if id(p) not in vision], "lr": lr},
         ],
         weight_decay=0.01,
     )
-    prompt = adapter.processor.apply_chat_template(
-        [{"role": "user", "content": [{"type": "video", "video": "needle"}, {"type": "text", "text": QUESTION}]}],
-        tokenize=False,
-        add_generation_prompt=True,
-    )
+
+    def prompt(question: str) -> str:
+        return adapter.processor.apply_chat_template(
+            [{"role": "user", "content": [{"type": "video", "video": "needle"}, {"type": "text", "text": question}]}],
+            tokenize=False,
+            add_generation_prompt=True,
+        )
+
     end = tok.convert_tokens_to_ids("<|im_end|>")
-    history = []
+    history, losses = [], []
     bar = tqdm(range(steps), desc="needle stage 2 (answer)", disable=not progress)
     for step in bar:
-        max_pairs = PAIRS if full_curriculum else min(PAIRS, 2 + int(step / (0.5 * steps) * (PAIRS - 2)))
+        max_pairs = most_pairs if full_curriculum else min(most_pairs, 2 + int(step / (0.5 * steps) * (most_pairs - 2)))
         optimizer.zero_grad()
-        correct = 0
+        correct, loss = 0, 0.0
         for _ in range(batch):
-            pairs = int(rng.integers(1, max_pairs + 1))
-            spec = random_spec(rng, pairs=pairs)
-            frames = render_video(
-                rng, spec, cue=bool(cue_fraction and rng.random() < cue_fraction), num_frames=2 * pairs
-            )
+            distractors = min(1.0, step / (0.5 * steps))  # query: other candidates' glyphs phased in
+            frames, question, label, evidence = training_sample(rng, variant, max_pairs, cue_fraction, distractors)
+            pairs = len(frames) // 2
             video = DecodedVideo(frames=frames, indices=list(range(2 * pairs)), total_frames=2 * pairs, fps=float(FPS))
             plan = plan_from_scales(
-                sample_scales(rng, pairs, spec.evidence_pair), (SIZE, SIZE), adapter.grid, min_tokens_per_pair=1
+                sample_scales(rng, pairs, evidence, variant), (SIZE, SIZE), adapter.grid, min_tokens_per_pair=1
             )
-            inputs = adapter.build_inputs(prompt, video, plan)
-            answer = torch.tensor([tok(LETTERS[spec.label])["input_ids"][0], end])
+            inputs = adapter.build_inputs(prompt(question), video, plan)
+            answer = torch.tensor([tok(LETTERS[label])["input_ids"][0], end])
             logprobs = adapter.sequence_logprobs(inputs, answer)
             (-logprobs.sum() / batch).backward()
             correct += int(logprobs[0].exp() > 0.5)
+            loss -= float(logprobs[0].detach()) / batch
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
         history.append(correct / batch)
-        bar.set_postfix(pairs=max_pairs, acc=f"{np.mean(history[-20:]):.2f}")
+        losses.append(loss)
+        bar.set_postfix(pairs=max_pairs, acc=f"{np.mean(history[-20:]):.2f}", loss=f"{np.mean(losses[-20:]):.3f}")
     return history
 
 
@@ -211,10 +265,14 @@ def train_backbone(
     cue_fraction: float = 0.0,
     progress: bool = True,
     family: str = "qwen25vl",
+    variant: str = "single",
+    vision_lr_scale: float = 0.2,
 ) -> Path:
     """Train both stages (or continue from the `init` folder) and `save_pretrained` model and
     processor to `out`; `cue_fraction`: share of training videos rendered with the cue; `family`:
-    qwen25vl or qwen3vl (a new backbone's architecture; `init` keeps its own)."""
+    qwen25vl or qwen3vl (a new backbone's architecture; `init` keeps its own); `variant`: the
+    data stage 2 trains on (single, query or long); vision_lr_scale: the vision tower's stage-2
+    learning rate relative to `lr` (0 keeps it frozen)."""
     torch.manual_seed(seed)
     rng = np.random.default_rng(seed)
     if init:
@@ -236,6 +294,8 @@ def train_backbone(
         progress,
         full_curriculum=bool(init),
         cue_fraction=cue_fraction,
+        variant=variant,
+        vision_lr_scale=vision_lr_scale,
     )
     model.eval()
     out = Path(out)
@@ -244,7 +304,8 @@ def train_backbone(
     processor.save_pretrained(out)
     with open(out / "training.txt", "a") as log:
         log.write(
-            f"family={family} init={init} seed={seed} stage1_steps={stage1_steps} stage2_steps={stage2_steps} "
-            f"batch={batch} lr={lr} cue_fraction={cue_fraction} seconds={time.perf_counter() - t0:.0f}\n"
+            f"family={family} variant={variant} init={init} seed={seed} stage1_steps={stage1_steps} "
+            f"stage2_steps={stage2_steps} batch={batch} lr={lr} vision_lr_scale={vision_lr_scale} "
+            f"cue_fraction={cue_fraction} seconds={time.perf_counter() - t0:.0f}\n"
         )
     return out
