@@ -48,6 +48,7 @@ CANDIDATES = 3
 # Cue colours (RGB) of the query variant: saturated, far from each other and from the backgrounds' greys.
 COLOURS = {"red": (205, 40, 40), "green": (40, 175, 60), "blue": (45, 75, 215), "yellow": (215, 200, 35)}
 BORDER_PX, CARD_MARGIN_PX = 8, 10
+CUE_BORDER_PX = 6  # the white `--cue` border
 
 
 def query_question(colour: str) -> str:
@@ -122,7 +123,7 @@ def draw_evidence(frames: np.ndarray, spec: NeedleSpec, cue: bool) -> None:
             frames[t, y : y + g, x : x + g] = patch.mean(axis=(0, 1)) + pattern
             border = 255.0 if cue else None
         if border is not None:
-            b = BORDER_PX if spec.colour is not None else 6
+            b = BORDER_PX if spec.colour is not None else CUE_BORDER_PX
             frames[t, :b], frames[t, -b:], frames[t, :, :b], frames[t, :, -b:] = border, border, border, border
 
 
@@ -150,6 +151,19 @@ def render_query_video(rng: np.random.Generator, candidates: list[NeedleSpec], n
     for spec in candidates:
         draw_evidence(frames, spec, cue=True)
     return finish(rng, frames)
+
+
+def random_spec(rng: np.random.Generator, evidence_pairs: int, glyph_range=(12, 20)) -> NeedleSpec:
+    """A glyph of a random class in one of pairs 0 .. evidence_pairs - 1, at a random size (px) and
+    place (draws: size, class, pair, x, y; the order every needle split was made in)."""
+    glyph = int(rng.integers(glyph_range[0], glyph_range[1] + 1))
+    return NeedleSpec(
+        label=int(rng.integers(0, 4)),
+        evidence_pair=int(rng.integers(0, evidence_pairs)),
+        glyph=glyph,
+        x=int(rng.integers(8, SIZE - glyph - 8)),
+        y=int(rng.integers(8, SIZE - glyph - 8)),
+    )
 
 
 def random_glyph(rng: np.random.Generator, label: int, pair: int, glyph_range=(12, 20), colour=None) -> NeedleSpec:
@@ -222,14 +236,7 @@ def make_split(
             question = query_question(spec.colour)
             extra = dict(colour=spec.colour, candidate_pairs=[s.evidence_pair for s in specs])
         else:
-            glyph = int(rng.integers(12, 21))
-            spec = NeedleSpec(
-                label=int(rng.integers(0, 4)),
-                evidence_pair=int(rng.integers(0, evidence_pairs)),
-                glyph=glyph,
-                x=int(rng.integers(8, SIZE - glyph - 8)),
-                y=int(rng.integers(8, SIZE - glyph - 8)),
-            )
+            spec = random_spec(rng, evidence_pairs)
             frames = render_video(rng, spec, cue, num_frames, noise=variant != "long")
             question = QUESTION
         path = out / split / f"needle_{split}_{i:05d}.mkv"

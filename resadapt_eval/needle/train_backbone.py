@@ -37,9 +37,9 @@ from .data import (
     LONG_FRAMES,
     QUESTION,
     SIZE,
-    NeedleSpec,
     query_question,
     random_query,
+    random_spec,
     render_query_video,
     render_video,
 )
@@ -106,20 +106,6 @@ def build_needle_backbone(seed: int = 0, family: str = "qwen25vl"):
     return model, processor
 
 
-def random_spec(
-    rng: np.random.Generator, glyph_range=(12, 20), pairs: int = PAIRS, anywhere: bool = False
-) -> NeedleSpec:
-    """A glyph in one of the first `pairs` pairs (the first half of 8 unless `anywhere`)."""
-    glyph = int(rng.integers(glyph_range[0], glyph_range[1] + 1))
-    return NeedleSpec(
-        label=int(rng.integers(0, 4)),
-        evidence_pair=int(rng.integers(0, pairs if anywhere else min(pairs, PAIRS // 2))),
-        glyph=glyph,
-        x=int(rng.integers(8, SIZE - glyph - 8)),
-        y=int(rng.integers(8, SIZE - glyph - 8)),
-    )
-
-
 def train_vision_stage(
     model, processor, rng, steps: int, batch: int, lr: float, progress: bool, cue_fraction: float = 0.0
 ) -> list[float]:
@@ -132,7 +118,7 @@ def train_vision_stage(
     for step in bar:
         shrink = min(1.0, step / (0.6 * steps))
         lo, hi = round(40 - 28 * shrink), round(48 - 28 * shrink)
-        specs = [random_spec(rng, (lo, hi), pairs=1) for _ in range(batch)]
+        specs = [random_spec(rng, 1, (lo, hi)) for _ in range(batch)]
         pairs = [
             torch.from_numpy(
                 render_video(rng, s, cue=bool(cue_fraction and rng.random() < cue_fraction), num_frames=2)
@@ -166,7 +152,7 @@ def training_sample(
         frames = render_query_video(rng, specs, 2 * pairs)
         return frames, query_question(specs[target].colour), specs[target].label, specs[target].evidence_pair
     pairs = int(rng.integers(1, max_pairs + 1))
-    spec = random_spec(rng, pairs=pairs, anywhere=variant == "long")
+    spec = random_spec(rng, pairs if variant == "long" else min(pairs, PAIRS // 2))  # long: anywhere
     cue = bool(cue_fraction and rng.random() < cue_fraction)
     frames = render_video(rng, spec, cue=cue, num_frames=2 * pairs, noise=variant != "long")
     return frames, QUESTION, spec.label, spec.evidence_pair
@@ -232,8 +218,8 @@ def train_answer_stage(
         max_pairs = most_pairs if full_curriculum else min(most_pairs, 2 + int(step / (0.5 * steps) * (most_pairs - 2)))
         optimizer.zero_grad()
         correct, loss = 0, 0.0
+        distractors = min(1.0, step / (0.5 * steps))  # query: other candidates' glyphs phased in
         for _ in range(batch):
-            distractors = min(1.0, step / (0.5 * steps))  # query: other candidates' glyphs phased in
             frames, question, label, evidence = training_sample(rng, variant, max_pairs, cue_fraction, distractors)
             pairs = len(frames) // 2
             video = DecodedVideo(frames=frames, indices=list(range(2 * pairs)), total_frames=2 * pairs, fps=float(FPS))
