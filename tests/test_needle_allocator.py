@@ -152,7 +152,10 @@ def test_needle_train_allocator_writes_a_loadable_checkpoint(tmp_path):
         allocator.config.s_min,
         allocator.config.s_max,
     ) == ("tiny", True, 64, 0.1, 1.9)
-    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors", "training.txt"]
+    assert sorted(p.name for p in out.iterdir()) == ["budget.json", "config.json", "model.safetensors", "training.txt"]
+    # the budget it was trained under travels with it: a bare `allocator=OUT` gets the YAML's rollout settings
+    budget = json.loads((out / "budget.json").read_text())
+    assert (budget["s_min"], budget["s_max"], budget["max_num_frames"]) == (0.1, 1.0, 16)
     assert "steps=2 " in (out / "training.txt").read_text()
     metrics = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in metrics] == [1, 2]

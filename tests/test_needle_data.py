@@ -173,8 +173,15 @@ def test_long_split_has_128_frames_and_one_evidence_pair_anywhere(tmp_path):
     assert hits == 8  # 8 of the 64 pairs hold one sampled frame: vanilla at 8 frames sees 1 in 8
 
 
-@pytest.mark.parametrize("name", ["needle-query-qwen25vl", "needle-long-qwen25vl"])
-def test_needle_cards_write_their_test_split_on_demand(name, tmp_path):
+@pytest.mark.parametrize(
+    "name, variant, folder",
+    [
+        ("needle-query-qwen25vl", "query", "needle-query"),
+        ("needle-long-qwen25vl", "long", "needle-long"),
+        ("needle-qwen3vl", "single", "needle"),
+    ],
+)
+def test_needle_cards_write_their_test_split_on_demand(name, variant, folder, tmp_path):
     from dataclasses import replace
     from pathlib import Path
 
@@ -182,10 +189,10 @@ def test_needle_cards_write_their_test_split_on_demand(name, tmp_path):
 
     cards = Path(__file__).resolve().parent.parent / "model_cards"
     card = load_card(cards / f"{name}.yaml")
-    variant = name.split("-")[1]
     assert card.needle_data["variant"] == variant and card.needle_data["videos"] == 400
-    assert card.needle_data["out"] == str((cards.parent / "fixtures" / f"needle-{variant}").resolve())
-    assert (cards.parent / "tasks" / f"resadapt_needle_{variant}" / f"resadapt_needle_{variant}.yaml").is_file()
+    assert card.needle_data["out"] == str((cards.parent / "fixtures" / folder).resolve())
+    task = {"single": "resadapt_needle"}.get(variant, f"resadapt_needle_{variant}")
+    assert card.tasks == [task] and (cards.parent / "tasks" / task / f"{task}.yaml").is_file()
     # a fresh clone: the folder is missing, the sweep writes the split (here 2 videos, into tmp_path)
     small = replace(card, needle_data={**card.needle_data, "out": str(tmp_path), "videos": 2})
     jsonl = ensure_needle_data(small, echo=lambda *_: None)

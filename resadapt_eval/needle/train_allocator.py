@@ -3,7 +3,8 @@
 The YAML is the `resadapt-eval train` layout (train/config.py); `configs/needle_allocator.yaml`
 is the recipe behind the committed checkpoint. The trainer's checkpoints and `metrics.jsonl` go
 to the YAML's `output_dir`; the final Allocator (`config.json`, `model.safetensors`: trainable
-weights only) is copied to `out` with a `training.txt` (the YAML, seconds, last metrics).
+weights only; `budget.json`: the budget it was trained under) is copied to `out` with a
+`training.txt` (the YAML, seconds, last metrics).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ..allocator import BUDGET_FILE
 from ..train.config import build_trainer
 from ..train.trainer import CHECKPOINTS
 
@@ -28,8 +30,9 @@ def train_allocator(config: str | Path, out: str | Path, steps: int | None = Non
     final = trainer.output_dir / CHECKPOINTS / f"step-{trainer.step:06d}" / "allocator"
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    for name in ("config.json", "model.safetensors"):
-        shutil.copy2(final / name, out / name)
+    for name in ("config.json", "model.safetensors", BUDGET_FILE):
+        if (final / name).is_file():
+            shutil.copy2(final / name, out / name)
     tail = history[-10:]
     summary = (
         {k: float(np.mean([h[k] for h in tail])) for k in ("accuracy", "achieved_retention", "mean_scale", "gini")}
