@@ -129,7 +129,7 @@ def cmd_demo(args) -> int:
         return status
     cmd_tables(common)
     cmd_plots(common)
-    cmd_needle_report(argparse.Namespace(run_dir=str(out), data=str(data), out=None))
+    cmd_needle_report(argparse.Namespace(run_dir=[str(out)], data=str(data), out=None))
     print(
         f"Needle benchmark on the first {args.limit} cued test videos (full benchmark: README, 'The needle benchmark')."
     )
@@ -207,7 +207,7 @@ def cmd_needle_report(args) -> int:
 
     cells, written = write_report(args.run_dir, args.data, args.out)
     if not cells:
-        print(f"no finished cells under {args.run_dir}", file=sys.stderr)
+        print(f"no finished cells under {', '.join(map(str, args.run_dir))}", file=sys.stderr)
         return 1
     print(to_markdown(cells))
     print(f"needle report: {written[0].parent} ({len(written)} files)")
@@ -502,13 +502,13 @@ def main(argv: list[str] | None = None) -> int:
     p = needle.add_parser(
         "report",
         help="accuracy with standard errors and the evidence-pair fraction per cell of a needle sweep, "
-        "and evidence plots",
+        "an accuracy-TFLOPs plot and evidence plots",
     )
-    p.add_argument("run_dir")
+    p.add_argument("run_dir", nargs="+", help="sweep folder(s), e.g. a frame-selection sweep beside the main one")
     p.add_argument(
         "--data", default="fixtures/needle/test.jsonl", help="the needle rows the sweep read (for evidence_pair)"
     )
-    p.add_argument("--out", default=None, help="output folder (default: RUN_DIR/needle)")
+    p.add_argument("--out", default=None, help="output folder (default: the first RUN_DIR/needle)")
     p.set_defaults(func=cmd_needle_report)
 
     args = parser.parse_args(argv)

@@ -14,7 +14,14 @@ import yaml
 from resadapt_eval.allocator import Allocator
 from resadapt_eval.budget.plan import plan_from_scales, project_to_retention
 from resadapt_eval.budget.policies import BudgetSpec
-from resadapt_eval.needle.report import binomial_se, evidence_is_highest, pair_scale_of, summarize_cell, to_markdown
+from resadapt_eval.needle.report import (
+    binomial_se,
+    evidence_hit,
+    evidence_is_highest,
+    pair_scale_of,
+    summarize_cell,
+    to_markdown,
+)
 from resadapt_eval.report.collect import CellRun
 from resadapt_eval.train.data import TrainSample, load_samples
 from resadapt_eval.train.engines import HFRolloutEngine
@@ -170,13 +177,27 @@ def test_evidence_pair_is_highest_by_hand():
     assert pair_scale_of([0.2, 0.4, 1.0]).tolist() == pytest.approx([0.3, 1.0])  # odd tail repeats the last frame
 
 
+def test_evidence_hit_under_frame_selection_is_both_evidence_frames_kept():
+    """A frame-selection record holds only the kept frames' scales (all at the base size), so the
+    evidence pair counts as found when both its frames (of the 128 candidates) were kept."""
+    row = dict(evidence_pair=55, evidence_frames=[110, 111])
+    kept = dict(candidates=128, frame_indices=[10, 11, 12, 13, 16, 17, 110, 111], scales=[1.0] * 8)
+    half = dict(candidates=128, frame_indices=[10, 11, 12, 13, 16, 17, 111, 112], scales=[1.0] * 8)
+    assert evidence_hit(kept, row) and not evidence_hit(half, row)
+    # without selection: the pair scales of all frames
+    scales = [0.2] * 128
+    scales[110] = scales[111] = 1.0
+    assert evidence_hit(dict(scales=scales, frame_indices=list(range(128))), row)
+    assert not evidence_hit(dict(scales=[0.2] * 128, frame_indices=list(range(128))), row)
+
+
 def test_cell_summary_by_hand(tmp_path):
     rows = {}
     records = []
     pairs = [0, 1, 2, 3]
     for i, ev in enumerate(pairs):
         video = str(tmp_path / f"v{i}.mkv")
-        rows[video] = dict(video_path=video, evidence_pair=ev)
+        rows[video] = dict(video_path=video, evidence_pair=ev, evidence_frames=[2 * ev, 2 * ev + 1])
         scales = [0.3] * 8
         top = ev if i < 3 else 0  # videos 0-2: the evidence pair is highest; video 3: pair 0 is
         scales[2 * top] = scales[2 * top + 1] = 1.0
@@ -214,13 +235,20 @@ def test_cell_summary_by_hand(tmp_path):
     assert cell.achieved_retention == pytest.approx(0.25)
     assert binomial_se(0.5, 100) == pytest.approx(0.05)
     assert cell.tflops is None  # these records carry no FLOPs
-    assert "| ResAdapt | 0.25 | 0.250 | 60.0 ± 21.9 | 75.0 ± 21.7 | - | 5 |" in to_markdown([cell])
+    assert "| ResAdapt | 16 | 0.25 | 0.250 | 60.0 ± 21.9 | 75.0 ± 21.7 | - | 5 |" in to_markdown([cell])
     costed = dataclasses.replace(cell, tflops=1.5e-4)
-    assert "| ResAdapt | 0.25 | 0.250 | 60.0 ± 21.9 | 75.0 ± 21.7 | 1.50e-04 | 5 |" in to_markdown([costed])
+    assert "| ResAdapt | 16 | 0.25 | 0.250 | 60.0 ± 21.9 | 75.0 ± 21.7 | 1.50e-04 | 5 |" in to_markdown([costed])
     # a method whose scales are not the Allocator's has no evidence fraction (all its pairs are equal)
     fixed = summarize_cell(dataclasses.replace(run, method="fixed_scale"), rows)
     assert np.isnan(fixed.evidence_fraction) and fixed.accuracy == pytest.approx(0.6)
-    assert "| FixedScale | 0.25 | 0.250 | 60.0 ± 21.9 | - | - | 5 |" in to_markdown([fixed])
+    assert "| FixedScale | 16 | 0.25 | 0.250 | 60.0 ± 21.9 | - | - | 5 |" in to_markdown([fixed])
+    # frame selection: the records carry `candidates`, the row says so, the evidence hit is "both frames kept"
+    for i, rec in enumerate(records[:4]):
+        rec.update(candidates=8, frame_indices=[[0, 1], [2, 3], [6, 7], [0, 1]][i])
+    selected = summarize_cell(run, rows)
+    assert selected.selection and selected.label == "ResAdapt (frame selection)"
+    assert selected.evidence_fraction == pytest.approx(0.5)  # videos 0, 1 kept their evidence pair; 2 and 3 another
+    assert "| ResAdapt (frame selection) | 16 | 0.25 |" in to_markdown([selected])
 
 
 def test_committed_needle_allocator_spends_r025_on_the_evidence_pair(tmp_path):

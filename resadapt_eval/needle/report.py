@@ -4,9 +4,11 @@ where each method's pixels went relative to the evidence pair.
 Per done cell: accuracy (percent) and its binomial standard error over the logged samples, the
 achieved R, and the evidence-pair fraction: the share of videos whose evidence pair has the
 highest pair scale (mean of its two frames' `scales` from the sidecar, the scales the backbone
-saw), strictly above every other pair. Uniform allocations (vanilla, fixed_scale, the token
-compressors) have no unique highest pair, so their fraction is 0. The evidence pair of each video
-comes from the data rows (`evidence_pair`), matched by video path.
+saw), strictly above every other pair; under frame selection (`operator=select|select_resize`,
+records with `candidates`) the share whose two evidence frames are both among the kept
+`frame_indices`. Uniform allocations (vanilla, fixed_scale, the token compressors) have no unique
+highest pair, so their fraction is 0. The evidence pair of each video comes from the data rows
+(`evidence_pair`, `evidence_frames`), matched by video path.
 """
 
 from __future__ import annotations
@@ -38,6 +40,14 @@ def evidence_is_highest(scales, evidence_pair: int) -> bool:
     return bool(pairs[evidence_pair] > others.max())
 
 
+def evidence_hit(record: dict, row: dict) -> bool:
+    """The evidence pair got the pixels: under frame selection both its frames were kept, else its
+    pair scale is the highest (`evidence_is_highest`)."""
+    if record.get("candidates"):
+        return set(row["evidence_frames"]) <= set(record["frame_indices"])
+    return evidence_is_highest(record["scales"], row["evidence_pair"])
+
+
 def binomial_se(p: float, n: int) -> float:
     """Standard error of a proportion p over n samples, sqrt(p (1 - p) / n)."""
     return float(np.sqrt(p * (1 - p) / n)) if n else float("nan")
@@ -58,6 +68,13 @@ class CellSummary:
     n: int
     path: Path
     tflops: float | None = None
+    frames: int | None = None
+    selection: bool = False  # frame selection (`operator=select|select_resize`): the records carry `candidates`
+
+    @property
+    def label(self) -> str:
+        """The method's display name, marked when the Allocator selected frames instead of resizing them."""
+        return METHODS[self.method].display_name + (" (frame selection)" if self.selection else "")
 
 
 def load_rows(data: str | Path) -> dict[str, dict]:
@@ -72,7 +89,7 @@ def summarize_cell(run: CellRun, rows: dict[str, dict]) -> CellSummary:
     scores = list(run.outcomes.values())
     allocated = METHODS[run.method].needs_allocator
     records = [r for r in run.records if allocated and r["error"] is None and str(Path(r["video"]).resolve()) in rows]
-    hits = [evidence_is_highest(r["scales"], rows[str(Path(r["video"]).resolve())]["evidence_pair"]) for r in records]
+    hits = [evidence_hit(r, rows[str(Path(r["video"]).resolve())]) for r in records]
     acc = float(np.mean(scores)) if scores else float("nan")
     frac = float(np.mean(hits)) if hits else float("nan")
     return CellSummary(
@@ -86,20 +103,31 @@ def summarize_cell(run: CellRun, rows: dict[str, dict]) -> CellSummary:
         len(scores),
         run.path,
         run.tflops(),
+        run.frames,
+        any(r.get("candidates") for r in records),
     )
 
 
-def summarize(run_dir: str | Path, data: str | Path) -> list[CellSummary]:
-    """Every done cell of a needle sweep, in the paper's method order, then by target R (descending)."""
+def runs_of(run_dirs: str | Path | list) -> list[CellRun]:
+    """The done cells of one or several sweep folders (e.g. a frame-selection sweep beside the main one)."""
+    dirs = [run_dirs] if isinstance(run_dirs, (str, Path)) else run_dirs
+    return [run for d in dirs for run in collect(d)]
+
+
+def summarize(run_dirs: str | Path | list, data: str | Path) -> list[CellSummary]:
+    """Every done cell of the needle sweep folder(s), in the paper's method order, then by target R
+    (descending) and frame count."""
     rows = load_rows(data)
-    cells = [summarize_cell(run, rows) for run in collect(run_dir)]
-    return sorted(cells, key=lambda c: (list(METHODS).index(c.method), -(c.retention or 1.0)))
+    cells = [summarize_cell(run, rows) for run in runs_of(run_dirs)]
+    return sorted(
+        cells, key=lambda c: (list(METHODS).index(c.method), c.selection, -(c.retention or 1.0), c.frames or 0)
+    )
 
 
 def to_markdown(cells: list[CellSummary]) -> str:
     lines = [
-        "| method | R target | R achieved | accuracy % | evidence pair highest % | TFLOPs | n |",
-        "|---|---|---|---|---|---|---|",
+        "| method | frames | R target | R achieved | accuracy % | evidence pair highest % | TFLOPs | n |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for c in cells:
         target = "-" if c.retention is None else f"{c.retention:g}"
@@ -107,7 +135,7 @@ def to_markdown(cells: list[CellSummary]) -> str:
             "-" if np.isnan(c.evidence_fraction) else f"{100 * c.evidence_fraction:.1f} ± {100 * c.evidence_se:.1f}"
         )
         lines.append(
-            f"| {METHODS[c.method].display_name} | {target} | {c.achieved_retention:.3f} | "
+            f"| {c.label} | {'-' if c.frames is None else c.frames} | {target} | {c.achieved_retention:.3f} | "
             f"{100 * c.accuracy:.1f} ± {100 * c.accuracy_se:.1f} | {evidence} | "
             f"{'-' if c.tflops is None else f'{c.tflops:.2e}'} | {c.n} |"
         )
@@ -160,18 +188,50 @@ def evidence_plot(run: CellRun, rows: dict[str, dict], out: Path, videos: int = 
     return paths
 
 
-def write_report(
-    run_dir: str | Path, data: str | Path, out: str | Path | None = None
-) -> tuple[list[CellSummary], list[Path]]:
-    """`summary.md` and one evidence plot per cell whose scales vary within videos, under `out`
-    (default RUN_DIR/needle)."""
-    out = Path(out) if out else Path(run_dir) / "needle"
+def tflops_plot(cells: list[CellSummary], out: Path) -> list[Path]:
+    """Accuracy (± one standard error) against mean TFLOPs a sample, one point per cell of any
+    frame count (the long split compares vanilla at 8 frames with the methods at 128)."""
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    costed = [c for c in cells if c.tflops is not None]
+    for c in costed:
+        r = "" if c.retention is None else f", R={c.retention:g}"
+        ax.errorbar(
+            c.tflops,
+            100 * c.accuracy,
+            yerr=100 * c.accuracy_se,
+            marker="o",
+            capsize=3,
+            label=f"{c.label}, {c.frames} f{r}",
+        )
+    ax.set_xlabel("TFLOPs per sample (vision tower, LLM, a method's own work, Allocator)")
+    ax.set_ylabel("accuracy % (± s.e.)")
+    ax.ticklabel_format(axis="x", style="sci", scilimits=(0, 0))
+    ax.grid(alpha=0.3)
+    ax.legend(frameon=False, fontsize=7)
+    fig.tight_layout()
     out.mkdir(parents=True, exist_ok=True)
-    cells = summarize(run_dir, data)
+    paths = [out / "needle_accuracy_tflops.png", out / "needle_accuracy_tflops.pdf"]
+    for p in paths:
+        fig.savefig(p, dpi=150)
+    plt.close(fig)
+    return paths
+
+
+def write_report(
+    run_dirs: str | Path | list, data: str | Path, out: str | Path | None = None
+) -> tuple[list[CellSummary], list[Path]]:
+    """`summary.md`, the accuracy-TFLOPs plot of every cell and one evidence plot per cell whose
+    scales vary within videos, under `out` (default: the first RUN_DIR/needle)."""
+    dirs = [run_dirs] if isinstance(run_dirs, (str, Path)) else list(run_dirs)
+    out = Path(out) if out else Path(dirs[0]) / "needle"
+    out.mkdir(parents=True, exist_ok=True)
+    cells = summarize(dirs, data)
     (out / "summary.md").write_text(to_markdown(cells) + "\n")
     rows = load_rows(data)
     written = [out / "summary.md"]
-    for run in collect(run_dir):
+    if any(c.tflops is not None for c in cells):
+        written += tflops_plot(cells, out)
+    for run in runs_of(dirs):
         if any(len(set(r["scales"])) > 1 for r in run.records if r["error"] is None):
             written += evidence_plot(run, rows, out)
     return cells, written
