@@ -6,9 +6,9 @@ achieved R, and the evidence-pair fraction: the share of videos whose evidence p
 highest pair scale (mean of its two frames' `scales` from the sidecar, the scales the backbone
 saw), strictly above every other pair; under frame selection (`operator=select|select_resize`,
 records with `candidates`) the share whose two evidence frames are both among the kept
-`frame_indices`. Uniform allocations (vanilla, fixed_scale, the token compressors) have no unique
-highest pair, so their fraction is 0. The evidence pair of each video comes from the data rows
-(`evidence_pair`, `evidence_frames`), matched by video path.
+`frame_indices`. Methods without an Allocator (vanilla, fixed_scale, the token compressors) have no
+per-pair scales of their own, so their fraction is NaN ("-" in the table). The evidence pair of
+each video comes from the data rows (`evidence_pair`, `evidence_frames`), matched by video path.
 """
 
 from __future__ import annotations
