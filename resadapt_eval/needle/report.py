@@ -108,17 +108,10 @@ def summarize_cell(run: CellRun, rows: dict[str, dict]) -> CellSummary:
     )
 
 
-def runs_of(run_dirs: str | Path | list) -> list[CellRun]:
-    """The done cells of one or several sweep folders (e.g. a frame-selection sweep beside the main one)."""
-    dirs = [run_dirs] if isinstance(run_dirs, (str, Path)) else run_dirs
-    return [run for d in dirs for run in collect(d)]
-
-
-def summarize(run_dirs: str | Path | list, data: str | Path) -> list[CellSummary]:
-    """Every done cell of the needle sweep folder(s), in the paper's method order, then by target R
-    (descending) and frame count."""
-    rows = load_rows(data)
-    cells = [summarize_cell(run, rows) for run in runs_of(run_dirs)]
+def summarize(runs: list[CellRun], rows: dict[str, dict]) -> list[CellSummary]:
+    """Every cell of `runs` (the done cells of one or several sweep folders), in the paper's method
+    order, then by target R (descending) and frame count."""
+    cells = [summarize_cell(run, rows) for run in runs]
     return sorted(
         cells, key=lambda c: (list(METHODS).index(c.method), c.selection, -(c.retention or 1.0), c.frames or 0)
     )
@@ -225,13 +218,14 @@ def write_report(
     dirs = [run_dirs] if isinstance(run_dirs, (str, Path)) else list(run_dirs)
     out = Path(out) if out else Path(dirs[0]) / "needle"
     out.mkdir(parents=True, exist_ok=True)
-    cells = summarize(dirs, data)
-    (out / "summary.md").write_text(to_markdown(cells) + "\n")
+    runs = [run for d in dirs for run in collect(d)]  # read once: the table and the plots share them
     rows = load_rows(data)
+    cells = summarize(runs, rows)
+    (out / "summary.md").write_text(to_markdown(cells) + "\n")
     written = [out / "summary.md"]
     if any(c.tflops is not None for c in cells):
         written += tflops_plot(cells, out)
-    for run in runs_of(dirs):
+    for run in runs:
         if any(len(set(r["scales"])) > 1 for r in run.records if r["error"] is None):
             written += evidence_plot(run, rows, out)
     return cells, written
