@@ -120,6 +120,7 @@ def cmd_demo(args) -> int:
             tasks=None,
             output=str(out),
             launcher=None,
+            model_args=None,
             limit=args.limit,
             max_failed_fraction=0.0,
             rerun_changed=False,

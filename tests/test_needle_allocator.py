@@ -278,3 +278,22 @@ def test_committed_needle_allocator_spends_r025_on_the_evidence_pair(tmp_path):
         assert plan.base_hw == (224, 224) and plan.retention <= 0.25
         full += [i for i, size in enumerate(plan.pair_sizes) if size == (224, 224)] == [row["evidence_pair"]]
     assert full >= 7  # 99.5% of 400 test videos in the README's sweep
+
+
+def test_demo_runs_end_to_end_on_two_videos(tmp_path):
+    """`make demo`'s command (fewer methods and videos): the sweep through lmms-eval, tables, plots
+    and the needle report, whose summary has one row per cell over the 2 videos."""
+    out = tmp_path / "demo"
+    proc = subprocess.run(
+        [sys.executable, "-m", "resadapt_eval.cli", "demo", "--out", str(out), "--methods", "vanilla,resadapt"]
+        + ["--retention", "0.25", "--limit", "2", "--repo", str(REPO)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = (out / "needle" / "summary.md").read_text().splitlines()
+    assert [line.split(" | ")[0] for line in summary[2:]] == ["| Vanilla", "| ResAdapt"]
+    assert all(line.endswith("| 2 |") for line in summary[2:])
+    assert (out / "needle" / "needle_accuracy_tflops.png").is_file() and any((out / "tables").iterdir())
