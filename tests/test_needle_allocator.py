@@ -132,7 +132,7 @@ def test_needle_train_allocator_writes_a_loadable_checkpoint(tmp_path):
     config["train"].update(steps=2, batch_size=2, num_allocations=2, save_every=1)
     path = tmp_path / "needle_allocator.yaml"
     path.write_text(yaml.safe_dump(config))
-    out = tmp_path / "allocator"
+    out = tmp_path / "run" / "final"  # no --out: the final checkpoint stays in the run's output_dir
     proc = subprocess.run(
         [
             sys.executable,
@@ -142,8 +142,6 @@ def test_needle_train_allocator_writes_a_loadable_checkpoint(tmp_path):
             "train-allocator",
             "--config",
             str(path),
-            "--out",
-            str(out),
         ],
         cwd=REPO,
         capture_output=True,

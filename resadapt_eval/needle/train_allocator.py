@@ -21,14 +21,17 @@ from ..train.config import build_trainer
 from ..train.trainer import CHECKPOINTS
 
 
-def train_allocator(config: str | Path, out: str | Path, steps: int | None = None, progress: bool = True) -> Path:
-    """Train to the YAML's `train.steps` (or `steps`) and copy the final Allocator to `out`."""
+def train_allocator(
+    config: str | Path, out: str | Path | None = None, steps: int | None = None, progress: bool = True
+) -> Path:
+    """Train to the YAML's `train.steps` (or `steps`) and copy the final Allocator to `out`
+    (default: `final/` in the config's `output_dir`)."""
     trainer = build_trainer(config, steps=steps)
     t0 = time.perf_counter()
     history = trainer.train(progress=progress)
     seconds = time.perf_counter() - t0
     final = trainer.output_dir / CHECKPOINTS / f"step-{trainer.step:06d}" / "allocator"
-    out = Path(out)
+    out = Path(out) if out is not None else trainer.output_dir / "final"
     out.mkdir(parents=True, exist_ok=True)
     for name in ("config.json", "model.safetensors", BUDGET_FILE):
         if (final / name).is_file():
