@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-from dataclasses import replace
 from pathlib import Path
 
 import yaml
@@ -27,12 +26,11 @@ def cmd_fixtures(args) -> int:
 
 
 def cmd_sweep(args) -> int:
-    from .sweep import ChangedCells, ensure_needle_data, load_card, plan_cells, run_sweep
+    from .sweep import ChangedCells, ensure_needle_data, load_card, plan_cells, run_sweep, with_model_args
 
     card = load_card(args.card)
     if args.model_args:  # part of every cell's configuration, as the card's own model_args are
-        extra = dict(pair.split("=", 1) for pair in args.model_args.split(","))
-        card = replace(card, model_args={**card.model_args, **extra})
+        card = with_model_args(card, args.model_args)
     frames = [int(f) for f in args.frames.split(",")] if args.frames else card.frames
     tasks = args.tasks.split(",") if args.tasks else card.tasks
     cells = plan_cells(args.methods.split(","), [float(r) for r in args.retention.split(",")], frames)
@@ -356,7 +354,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--model-args",
         default=None,
-        help="k=v,... added to the card's model_args for every cell (e.g. kv_cache_memory_bytes=67108864 for evs)",
+        help="k=v,... added to the card's model_args for every cell (e.g. kv_cache_memory_bytes=67108864 for evs); "
+        "allocator=PATH replaces the card's Allocator",
     )
     p.add_argument("--limit", type=int, default=None, help="lmms-eval --limit (samples per task; for testing)")
     p.add_argument(
@@ -460,7 +459,10 @@ def main(argv: list[str] | None = None) -> int:
         "--config", default="configs/needle_allocator.yaml", help="training YAML (the `resadapt-eval train` layout)"
     )
     p.add_argument(
-        "--out", default="results/needle/allocator-qwen25vl", help="folder for the final Allocator checkpoint"
+        "--out",
+        default=None,
+        help="folder for the final Allocator checkpoint (default: final/ in the config's output_dir; "
+        "the committed weights are rewritten only when named here)",
     )
     p.add_argument("--steps", type=int, default=None, help="override train.steps")
     p.set_defaults(func=cmd_needle_train_allocator)

@@ -19,7 +19,7 @@ import shutil
 import subprocess
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import yaml
@@ -29,6 +29,13 @@ from .manifest import read_manifests, versions, write_json
 from .methods import METHODS, NO_RETENTION, get_method
 
 CELL_FILE = "cell.json"
+# model_args every cell sets itself, and where a sweep takes them instead
+CELL_MODEL_ARGS = {
+    "pretrained": "the card's `pretrained:`",
+    "method": "--methods",
+    "max_num_frames": "--frames",
+    "retention": "--retention",
+}
 
 
 @dataclass
@@ -86,6 +93,9 @@ def load_card(path: str | Path) -> ModelCard:
     if raw.get("allocator") not in (None, "untrained"):
         raw["allocator"] = local(raw["allocator"])
     raw["frames"] = [int(f) for f in raw.get("frames", [32])]
+    raw["model_args"] = checked_model_args(raw.get("model_args") or {}, f"{path}: model_args")
+    if "allocator" in raw["model_args"]:
+        raise ValueError(f"{path}: model_args sets `allocator`; give it as the card's `allocator:` key")
     if raw.get("needle_data") is not None:
         data = dict(raw["needle_data"])
         extra = sorted(set(data) - {"variant", "out", "videos", "cue"})
@@ -94,6 +104,34 @@ def load_card(path: str | Path) -> ModelCard:
         data["out"] = str((path.parent / data["out"]).resolve())
         raw["needle_data"] = data
     return ModelCard(**raw)
+
+
+def checked_model_args(model_args: dict, where: str) -> dict:
+    """`model_args` unchanged, or ValueError when it sets what each cell sets itself (a value
+    there would be overwritten by the cell's, so the run would not be what was asked)."""
+    clash = sorted(set(model_args) & set(CELL_MODEL_ARGS))
+    if clash:
+        raise ValueError(
+            f"{where} sets {', '.join(clash)}, which every cell sets itself; use "
+            + ", ".join(f"{CELL_MODEL_ARGS[k]} for {k}" for k in clash)
+        )
+    return model_args
+
+
+def with_model_args(card: ModelCard, pairs: str) -> ModelCard:
+    """The card with `k=v,...` (sweep --model-args) added to its model_args; `allocator=PATH`
+    replaces the card's Allocator (a path relative to the current folder)."""
+    extra = {}
+    for pair in pairs.split(","):
+        key, sep, value = pair.partition("=")
+        if not sep or not key:
+            raise ValueError(f"--model-args takes k=v,...; got {pair!r}")
+        extra[key] = value
+    allocator = extra.pop("allocator", None)
+    if allocator not in (None, "untrained"):
+        allocator = str(Path(allocator).resolve()) if Path(allocator).exists() else allocator
+    model_args = {**card.model_args, **checked_model_args(extra, "--model-args")}
+    return replace(card, model_args=model_args, allocator=allocator or card.allocator)
 
 
 def ensure_needle_data(card: ModelCard, limit: int | None = None, echo=print) -> Path | None:

@@ -298,6 +298,30 @@ def test_cells_are_named_and_keyed_by_everything_that_sets_their_result():
     assert config_changes(base, variants["card model_args"]) == ["card.model_args.s_max: 1.8 -> 1.0"]
 
 
+def test_sweep_model_args_replace_the_allocator_and_refuse_what_cells_set(tmp_path):
+    from resadapt_eval.sweep import Cell, cell_command, load_card, with_model_args
+
+    card = load_card(REPO / "model_cards" / "needle-qwen25vl.yaml")
+    cell = Cell("resadapt", 0.25, 16)
+    overridden = with_model_args(card, f"allocator={tmp_path},max_pixels=50176")
+    command = cell_command(overridden, cell, ["t"], tmp_path)
+    args = command[command.index("--model_args") + 1]
+    assert f"allocator={tmp_path}," in args + "," and card.allocator not in args
+    assert "max_pixels=50176" in args
+    assert overridden.allocator == str(tmp_path) and "allocator" not in overridden.model_args
+    # a cell sets these itself: a value here would be overwritten, so it stops naming the option to use
+    for pair, option in (("retention=0.1", "--retention"), ("max_num_frames=8", "--frames"), ("method=vanilla", "--methods")):
+        with pytest.raises(ValueError, match=f"--model-args sets {pair.split('=')[0]}.*{option}"):
+            with_model_args(card, pair)
+    with pytest.raises(ValueError, match="k=v"):
+        with_model_args(card, "s_max")
+    bad = yaml.safe_load((REPO / "model_cards" / "needle-qwen25vl.yaml").read_text())
+    bad["model_args"]["retention"] = 0.1
+    (tmp_path / "bad.yaml").write_text(yaml.safe_dump(bad))
+    with pytest.raises(ValueError, match="model_args sets retention.*--retention"):
+        load_card(tmp_path / "bad.yaml")
+
+
 def test_every_method_has_its_own_style_and_the_papers_methods_the_strong_colours():
     from resadapt_eval.methods import METHODS
     from resadapt_eval.report.plots import method_style
