@@ -58,8 +58,11 @@ def test_backbone_trainer_runs_both_stages_and_saves(tmp_path, family):
     assert config.text_config.hidden_size == 128 and config.text_config.num_hidden_layers == 3
     if family == "qwen25vl":  # windowed attention only
         assert config.vision_config.fullatt_block_indexes == []
-    else:  # 16 px patches, one deepstack feature
+    else:  # 16 px patches, one deepstack feature, Qwen3-VL's own head size and rope
         assert config.vision_config.patch_size == 16 and config.vision_config.deepstack_visual_indexes == [0]
+        rope = config.text_config.rope_parameters
+        assert config.text_config.head_dim == 128 and rope["mrope_section"] == [24, 20, 20]
+        assert rope["rope_theta"] == 5e6 and rope["mrope_interleaved"]
     assert (
         f"family={family} variant=single init=None seed=0 stage1_steps=2 stage2_steps=2"
         in (out / "training.txt").read_text()

@@ -48,10 +48,11 @@ PAIRS = FRAMES // 2
 
 
 def build_needle_backbone(seed: int = 0, family: str = "qwen25vl"):
-    """A 1.0M-parameter model of `family`'s architecture: text hidden 128 (4 heads of 32), 3
-    layers; vision hidden 96, depth 2 (Qwen2.5-VL: 14 px patches, windowed attention only, no
-    full-attention block, like the local attention of real towers; Qwen3-VL: 16 px patches, its
-    deepstack feature added at the first LLM layer). Returns (model, processor)."""
+    """A model of `family`'s architecture: text hidden 128, 4 heads, 3 layers; vision hidden 96,
+    depth 2. Qwen2.5-VL (1.0M parameters): heads of 32, 14 px patches, windowed attention only,
+    no full-attention block, like the local attention of real towers. Qwen3-VL (1.7M): heads of
+    128 with Qwen3-VL's rope (theta 5e6, interleaved sections 24/20/20), 16 px patches, its
+    deepstack feature added at the first LLM layer. Returns (model, processor)."""
     from transformers import Qwen2VLImageProcessor
 
     tok = build_tokenizer()
@@ -85,8 +86,10 @@ def build_needle_backbone(seed: int = 0, family: str = "qwen25vl"):
     elif family == "qwen3vl":
         from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration, Qwen3VLProcessor, Qwen3VLVideoProcessor
 
-        rope = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [6, 5, 5], "mrope_interleaved": True}
-        text.update(head_dim=32, rope_parameters=rope)
+        # Qwen3-VL's own head size and rope (QK-norm bounds an attention logit by about sqrt(head_dim)
+        # times the norm weights; at head_dim 32 the first layer cannot single out the glyph tokens)
+        rope = {"rope_type": "default", "rope_theta": 5e6, "mrope_section": [24, 20, 20], "mrope_interleaved": True}
+        text.update(head_dim=128, rope_parameters=rope)
         vision.update(patch_size=16, num_position_embeddings=256, deepstack_visual_indexes=[0])
         classes = Qwen3VLConfig, Qwen3VLForConditionalGeneration, Qwen3VLProcessor, Qwen3VLVideoProcessor
     else:
