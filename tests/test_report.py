@@ -310,7 +310,8 @@ def test_sweep_model_args_replace_the_allocator_and_refuse_what_cells_set(tmp_pa
     assert "max_pixels=50176" in args
     assert overridden.allocator == str(tmp_path) and "allocator" not in overridden.model_args
     # a cell sets these itself: a value here would be overwritten, so it stops naming the option to use
-    for pair, option in (("retention=0.1", "--retention"), ("max_num_frames=8", "--frames"), ("method=vanilla", "--methods")):
+    cell_set = (("retention=0.1", "--retention"), ("max_num_frames=8", "--frames"), ("method=vanilla", "--methods"))
+    for pair, option in cell_set:
         with pytest.raises(ValueError, match=f"--model-args sets {pair.split('=')[0]}.*{option}"):
             with_model_args(card, pair)
     with pytest.raises(ValueError, match="k=v"):
