@@ -100,18 +100,22 @@ def cmd_plots(args) -> int:
 
 
 def cmd_demo(args) -> int:
-    """The needle benchmark end to end on the committed weights: cued test videos (written if
-    missing), a sweep through the real lmms-eval CLI, tables, plots and the needle report."""
-    from .needle.data import ensure_test_split
+    """The needle benchmark end to end on the committed weights, card by card: cued test videos
+    (written if missing), a sweep through the real lmms-eval CLI, tables, plots and the needle
+    report, in OUT/<card>/."""
+    from .sweep import ensure_needle_data, load_card
 
     root = Path(args.repo).resolve()
-    data = ensure_test_split(root / "fixtures" / "needle", args.limit)
-    out = Path(args.out).resolve()
-    card = str(root / "model_cards" / "needle-qwen25vl.yaml")
-    common = argparse.Namespace(run_dir=str(out), out=None, paper=False, paper_dir=str(root / "results" / "paper"))
-    status = cmd_sweep(
-        argparse.Namespace(
-            card=card,
+    status = 0
+    for name in args.cards.split(","):
+        card_path = root / "model_cards" / f"{name}.yaml"
+        data = ensure_needle_data(load_card(card_path), args.limit)
+        if data is None:
+            raise SystemExit(f"resadapt-eval demo: card {name} has no needle_data (the demo runs needle cards)")
+        out = Path(args.out).resolve() / name
+        print(f"== {name}: first {args.limit} test videos -> {out}")
+        sweep = argparse.Namespace(
+            card=str(card_path),
             methods=args.methods,
             retention=args.retention,
             frames=None,
@@ -123,16 +127,19 @@ def cmd_demo(args) -> int:
             max_failed_fraction=0.0,
             rerun_changed=False,
         )
-    )
-    if status == 2:  # the output holds cells of another configuration: no tables of stale cells
-        return status
-    cmd_tables(common)
-    cmd_plots(common)
-    cmd_needle_report(argparse.Namespace(run_dir=[str(out)], data=str(data), out=None))
+        card_status = cmd_sweep(sweep)
+        if card_status == 2:  # the output holds cells of another configuration: no tables of stale cells
+            return card_status
+        status = max(status, card_status)
+        common = argparse.Namespace(run_dir=str(out), out=None, paper=False, paper_dir=str(root / "results" / "paper"))
+        cmd_tables(common)
+        cmd_plots(common)
+        cmd_needle_report(argparse.Namespace(run_dir=[str(out)], data=str(data), out=None))
     print(
-        f"Needle benchmark on the first {args.limit} cued test videos (full benchmark: README, 'The needle benchmark')."
+        f"Needle benchmark on the first {args.limit} cued test videos, cards {args.cards} "
+        "(full benchmark: README, 'The needle benchmark')."
     )
-    print(f"Outputs: {out} (cells with lmms-eval results and resadapt sidecars, tables/, plots/, needle/)")
+    print(f"Outputs: {Path(args.out).resolve()}/<card> (cells with lmms-eval results and sidecars, tables/, plots/, needle/)")
     return status
 
 
@@ -328,12 +335,17 @@ def main(argv: list[str] | None = None) -> int:
     p.set_defaults(func=cmd_fixtures)
 
     p = sub.add_parser("demo", help="the needle benchmark on the committed weights: data, sweep, tables, plots, report")
-    p.add_argument("--out", default="demo_out", help="output folder (the sweep's run directory)")
+    p.add_argument("--out", default="demo_out", help="output folder (one sweep run directory per card)")
     p.add_argument("--repo", default=".", help="repository root (holds model_cards/, tasks/, fixtures/)")
+    p.add_argument(
+        "--cards",
+        default="needle-qwen25vl,needle-qwen3vl",
+        help="comma-separated needle cards in model_cards/ (default: both backbones)",
+    )
     p.add_argument("--methods", default=PAPER_METHODS, help="comma-separated methods (default: the paper's seven)")
     p.add_argument("--retention", default="0.25", help="comma-separated target retentions")
     p.add_argument(
-        "--limit", type=int, default=100, help="needle test videos per cell (written to fixtures/needle if missing)"
+        "--limit", type=int, default=100, help="needle test videos per cell (the card's split is written if missing)"
     )
     p.set_defaults(func=cmd_demo)
 

@@ -135,14 +135,15 @@ def with_model_args(card: ModelCard, pairs: str) -> ModelCard:
 
 
 def ensure_needle_data(card: ModelCard, limit: int | None = None, echo=print) -> Path | None:
-    """Write the card's needle test split when it is missing or short: `videos` rows (at least
-    `limit`) of `resadapt-eval needle make-data --variant V [--cue] --out OUT`'s test split."""
+    """Write the card's needle test split when it is missing or short: `videos` rows (`limit`
+    rows when a sweep reads only its first `limit`) of `resadapt-eval needle make-data --variant V
+    [--cue] --out OUT`'s test split; a later, longer sweep extends it with the same videos first."""
     if card.needle_data is None:
         return None
     from .needle.data import ensure_test_split
 
     data = card.needle_data
-    count = max(int(data.get("videos", 400)), limit or 0)
+    count = limit or int(data.get("videos", 400))
     jsonl = ensure_test_split(
         data["out"], count, cue=bool(data.get("cue", True)), variant=data.get("variant", "single")
     )

@@ -279,8 +279,9 @@ def test_committed_needle_allocator_spends_r025_on_the_evidence_pair(tmp_path):
 
 
 def test_demo_runs_end_to_end_on_two_videos(tmp_path):
-    """`make demo`'s command (fewer methods and videos): the sweep through lmms-eval, tables, plots
-    and the needle report, whose summary has one row per cell over the 2 videos."""
+    """`make demo`'s command (fewer methods and videos): for each needle card (both backbones by
+    default) the sweep through lmms-eval, tables, plots and the needle report, whose summary has
+    one row per cell over the 2 videos."""
     out = tmp_path / "demo"
     proc = subprocess.run(
         [sys.executable, "-m", "resadapt_eval.cli", "demo", "--out", str(out), "--methods", "vanilla,resadapt"]
@@ -291,7 +292,12 @@ def test_demo_runs_end_to_end_on_two_videos(tmp_path):
         timeout=600,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    summary = (out / "needle" / "summary.md").read_text().splitlines()
-    assert [line.split(" | ")[0] for line in summary[2:]] == ["| Vanilla", "| ResAdapt"]
-    assert all(line.endswith("| 2 |") for line in summary[2:])
-    assert (out / "needle" / "needle_accuracy_tflops.png").is_file() and any((out / "tables").iterdir())
+    assert sorted(p.name for p in out.iterdir()) == ["needle-qwen25vl", "needle-qwen3vl"]
+    for card in ("needle-qwen25vl", "needle-qwen3vl"):
+        summary = (out / card / "needle" / "summary.md").read_text().splitlines()
+        assert [line.split(" | ")[0] for line in summary[2:]] == ["| Vanilla", "| ResAdapt"]
+        assert all(line.endswith("| 2 |") for line in summary[2:])
+        assert (out / card / "needle" / "needle_accuracy_tflops.png").is_file()
+        assert any((out / card / "tables").iterdir())
+        cell = json.loads((out / card / "resadapt-r0.25-f16" / "cell.json").read_text())
+        assert cell["backbone"] == card.split("-")[1] and cell["samples"] == 2

@@ -182,6 +182,7 @@ def test_long_split_has_128_frames_and_one_evidence_pair_anywhere(tmp_path):
         ("needle-query-qwen25vl", "query", "needle-query"),
         ("needle-long-qwen25vl", "long", "needle-long"),
         ("needle-qwen3vl", "single", "needle"),
+        ("needle-qwen25vl", "single", "needle"),
     ],
 )
 def test_needle_cards_write_their_test_split_on_demand(name, variant, folder, tmp_path):
