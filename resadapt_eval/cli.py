@@ -139,7 +139,8 @@ def cmd_demo(args) -> int:
         f"Needle benchmark on the first {args.limit} cued test videos, cards {args.cards} "
         "(full benchmark: README, 'The needle benchmark')."
     )
-    print(f"Outputs: {Path(args.out).resolve()}/<card> (cells with lmms-eval results and sidecars, tables/, plots/, needle/)")
+    outputs = "cells with lmms-eval results and sidecars, tables/, plots/, needle/"
+    print(f"Outputs: {Path(args.out).resolve()}/<card> ({outputs})")
     return status
 
 
