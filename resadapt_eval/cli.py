@@ -109,7 +109,7 @@ def cmd_demo(args) -> int:
     status = 0
     for name in args.cards.split(","):
         card_path = root / "model_cards" / f"{name}.yaml"
-        data = ensure_needle_data(load_card(card_path), args.limit)
+        data = ensure_needle_data(load_card(card_path), args.limit, echo=lambda *_: None)  # the sweep prints it
         if data is None:
             raise SystemExit(f"resadapt-eval demo: card {name} has no needle_data (the demo runs needle cards)")
         out = Path(args.out).resolve() / name
