@@ -438,7 +438,11 @@ def main(argv: list[str] | None = None) -> int:
     p = needle.add_parser(
         "train-backbone", help="train a tiny Qwen2.5-VL- or Qwen3-VL-architecture needle backbone (two stages, CPU)"
     )
-    p.add_argument("--out", default="results/needle/backbone-qwen25vl")
+    p.add_argument(
+        "--out",
+        default="runs/needle_backbone",
+        help="output folder (the committed weights are rewritten only when named here)",
+    )
     p.add_argument(
         "--family", default="qwen25vl", choices=["qwen25vl", "qwen3vl"], help="architecture of a new backbone"
     )
