@@ -28,9 +28,13 @@ def cmd_fixtures(args) -> int:
 def cmd_sweep(args) -> int:
     from .sweep import ChangedCells, ensure_needle_data, load_card, plan_cells, run_sweep, with_model_args
 
-    card = load_card(args.card)
-    if args.model_args:  # part of every cell's configuration, as the card's own model_args are
-        card = with_model_args(card, args.model_args)
+    try:
+        card = load_card(args.card)
+        if args.model_args:  # part of every cell's configuration, as the card's own model_args are
+            card = with_model_args(card, args.model_args)
+    except (ValueError, FileNotFoundError) as exc:  # a bad card or --model-args: stop before any cell
+        print(f"sweep: {exc}", file=sys.stderr)
+        return 2
     frames = [int(f) for f in args.frames.split(",")] if args.frames else card.frames
     tasks = args.tasks.split(",") if args.tasks else card.tasks
     cells = plan_cells(args.methods.split(","), [float(r) for r in args.retention.split(",")], frames)

@@ -215,6 +215,16 @@ def test_a_changed_limit_does_not_reuse_finished_cells(fixtures_dir, tmp_path):
         text=True,
     )
     assert extra.returncode == 2 and "card.model_args.max_pixels: None -> '50176'" in extra.stderr
+    # a model_arg the cells set themselves stops at start with one line naming the option to use
+    clash = subprocess.run(
+        sweep_cmd(tmp_path, "vanilla", limit=2) + ["--model-args", "retention=0.1"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+    )
+    assert clash.returncode == 2 and clash.stderr.strip().splitlines() == [
+        "sweep: --model-args sets retention, which every cell sets itself; use --retention for retention"
+    ]
 
 
 def test_an_all_failed_cell_is_reported_failed_and_tables_show_the_failures(fixtures_dir, tmp_path):
