@@ -324,3 +324,16 @@ def test_frame_norm_layer_normalises_the_frozen_features_before_the_projection()
     shifted = dict(feats, frame_features=raw * 7.0 + 3.0)
     assert (allocator(**feats)[0] - allocator(**shifted)[0]).abs().max() < 0.05
     assert (plain(**feats)[0] - plain(**shifted)[0]).abs().max() > 0.5
+
+
+def test_text_positions_make_the_policy_read_the_query_s_token_order():
+    """The tiny text encoder is a bag of byte embeddings: "red" and "der" look alike without
+    `text_positions`, and differ with it."""
+    ordered = Allocator(tiny_config(text_positions=True, head_init_std=1.0))
+    bag = Allocator(tiny_config(text_positions=False, head_init_std=1.0))
+    assert set(ordered.trainable_state_dict()) == set(bag.trainable_state_dict())  # no new weights
+    video = frames()
+    for allocator, differs in ((ordered, True), (bag, False)):
+        a = allocator(**allocator.encode([video], ["the red border"]))[0]
+        b = allocator(**allocator.encode([video], ["the der border"]))[0]
+        assert bool((a - b).abs().max() > 1e-3) is differs

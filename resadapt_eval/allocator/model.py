@@ -1,6 +1,7 @@
 """The Allocator (paper Sec. 3.2): frozen encoders -> shallow decoder -> per-frame Beta policy.
 
-    f_t = W_v LN(enc_v(coarse frame t)) + PE(t)    q = W_q enc_q(query tokens)   (LN: `frame_norm` only)
+    f_t = W_v LN(enc_v(coarse frame t)) + PE(t)    q_l = W_q enc_q(query tokens)_l [+ PE(l)]
+    (LN: `frame_norm` only; PE(l) on the query: `text_positions` only)
     h   = L x [ temporal self-attention over frames ; gated cross-attention to q ; FFN ]
     alpha_t, beta_t = clamp(softplus(W_h h_t) + 1, 1 + 1e-4, max_concentration)   (alpha, beta > 1)
     a_t ~ Beta(alpha_t, beta_t),   s_t = s_min + a_t (s_max - s_min)               (Eq. scale_map)
@@ -57,6 +58,9 @@ class AllocatorConfig:
     max_concentration: clamp on alpha and beta. seed: initialisation seed.
     frame_norm: layer-normalise each frame's frozen features (no weights) before W_v, for encoders
     whose raw features are small next to the positional encoding (the `tiny` CNN's are ~0.05).
+    text_positions: add the sinusoidal encoding of token order to the projected query tokens, for
+    text encoders whose token states carry no order (the `tiny` byte embeddings: without it a query
+    is a bag of bytes, and "red" and "green" differ only in byte counts).
     """
 
     encoder: str = "minilm-effnet"
@@ -75,6 +79,7 @@ class AllocatorConfig:
     init_sigma: float = 0.5
     seed: int = 0
     frame_norm: bool = False
+    text_positions: bool = False
     format_version: int = FORMAT_VERSION
 
     def __post_init__(self):
@@ -96,11 +101,11 @@ class AllocatorConfig:
         return (1.0 - self.s_min) / (self.s_max - self.s_min)
 
 
-def sinusoidal_positions(num_frames: int, width: int, device) -> torch.Tensor:
-    """Fixed sinusoidal encoding of frame order, (T, width); works for any T."""
-    position = torch.arange(num_frames, device=device, dtype=torch.float32)[:, None]
+def sinusoidal_positions(length: int, width: int, device) -> torch.Tensor:
+    """Fixed sinusoidal encoding of order (frames or query tokens), (length, width); any length."""
+    position = torch.arange(length, device=device, dtype=torch.float32)[:, None]
     freq = torch.exp(torch.arange(0, width, 2, device=device, dtype=torch.float32) * (-math.log(10000.0) / width))
-    pe = torch.zeros(num_frames, width, device=device)
+    pe = torch.zeros(length, width, device=device)
     pe[:, 0::2] = torch.sin(position * freq)
     pe[:, 1::2] = torch.cos(position * freq)
     return pe
@@ -173,6 +178,8 @@ class Allocator(nn.Module):
             frame_features = F.layer_norm(frame_features, frame_features.shape[-1:])
         x = self.frame_proj(frame_features) + sinusoidal_positions(T, self.config.width, frame_features.device)
         text = self.text_proj(text_features)
+        if self.config.text_positions:
+            text = text + sinusoidal_positions(text.shape[1], self.config.width, text.device)
         for layer in self.layers:
             x = layer(x, frame_mask, text, text_mask)
         raw = self.head(self.norm_out(x))
