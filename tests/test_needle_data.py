@@ -71,6 +71,10 @@ def test_backbone_trainer_runs_both_stages_and_saves(tmp_path, family):
     train_backbone(out, stage1_steps=0, stage2_steps=1, batch=2, init=str(out), progress=False)
     assert len((out / "training.txt").read_text().splitlines()) == 2
     assert f"family={family} variant=single init={out}" in (out / "training.txt").read_text()
+    # the query stage (attention-supervised) runs on the same model and leaves it loadable
+    train_backbone(out, stage1_steps=0, stage2_steps=1, batch=2, init=str(out), progress=False, variant="query")
+    assert f"family={family} variant=query init={out}" in (out / "training.txt").read_text().splitlines()[2]
+    assert AutoConfig.from_pretrained(out).text_config.num_hidden_layers == 3
 
 
 def test_evidence_pairs_widens_where_the_evidence_may_sit(tmp_path):
@@ -208,3 +212,57 @@ def test_needle_cards_write_their_test_split_on_demand(name, variant, folder, tm
     bad.write_text((cards / f"{name}.yaml").read_text().replace("needle_data: {", "needle_data: {frames: 3, "))
     with pytest.raises(ValueError, match="needle_data takes variant, out, videos, cue"):
         load_card(bad)
+
+
+def test_glyph_tokens_cover_the_glyph_at_its_pair_s_size():
+    from resadapt_eval.budget.plan import TokenGrid, plan_from_scales
+    from resadapt_eval.needle.data import NeedleSpec
+    from resadapt_eval.needle.train_backbone import glyph_tokens
+
+    grid = TokenGrid(token_px=28)
+    plan = plan_from_scales([1.0, 1.0, 0.5, 0.5], (224, 224), grid, min_tokens_per_pair=1)
+    assert plan.pair_tokens == [64, 16]
+    # pair 1 is 112 px: 4x4 tokens of 56 source px; glyph rows 100-115 -> token rows 1-2, columns 60-75 -> 1
+    spec = NeedleSpec(label=0, evidence_pair=1, glyph=16, x=60, y=100)
+    assert glyph_tokens(plan, spec).tolist() == [64 + 1 * 4 + 1, 64 + 2 * 4 + 1]
+    # pair 0 at full size: 28 px tokens; rows 20-31 -> 0-1, columns 200-211 -> 7
+    assert glyph_tokens(plan, NeedleSpec(0, 0, 12, x=200, y=20)).tolist() == [7, 15]
+
+
+def test_binding_losses_by_hand():
+    import math
+    from types import SimpleNamespace
+
+    import torch
+
+    from resadapt_eval.budget.plan import TokenGrid, plan_from_scales
+    from resadapt_eval.needle.data import NeedleSpec
+    from resadapt_eval.needle.train_backbone import BindingHeads, binding_losses
+
+    plan = plan_from_scales([1.0] * 6, (224, 224), TokenGrid(token_px=28), min_tokens_per_pair=1)
+    specs = [NeedleSpec(k, k, 12, x=20, y=20, colour=c) for k, c in enumerate(("red", "green", "blue"))]
+    specs[2] = NeedleSpec(2, 2, 12, x=20, y=20, colour="blue", contrast=0.0)  # a card without its glyph
+    visual_at = torch.arange(10, 10 + 192)  # 3 pairs of 64 tokens after 10 text tokens
+    answer_at, length, target = 209, 210, 1
+    glyph = [visual_at[64 * k + torch.tensor([0, 1, 8, 9])] for k in range(3)]  # rows 0-1, columns 0-1
+    weights = torch.zeros(1, 2, length, length)
+    weights[0, 0, answer_at, glyph[1]] = 0.3 / 4  # head 0: 0.3 on the asked glyph, 0.1 on the others
+    weights[0, 0, answer_at, torch.cat([glyph[0], glyph[2]])] = 0.1 / 8
+    weights[0, 1, answer_at, glyph[1]] = 0.1 / 4  # head 1: 0.1 and 0.1
+    weights[0, 1, answer_at, glyph[0]] = 0.1 / 4
+    outputs = SimpleNamespace(
+        attentions=[torch.rand(1, 2, length, length), weights],  # the first layer is not supervised
+        hidden_states=[torch.zeros(1, length, 8)] * 2,
+    )
+    heads = BindingHeads(8)
+    for head in (heads.asked_colour, heads.glyph, heads.card_colour):
+        torch.nn.init.zeros_(head.weight), torch.nn.init.zeros_(head.bias)
+    losses = {
+        k: float(v.detach())
+        for k, v in binding_losses(outputs, heads, plan, answer_at, visual_at, specs, target).items()
+    }
+    share = (0.3 / 0.4 + 0.1 / 0.2) / 2
+    assert losses["attention"] == pytest.approx(-math.log(share) - math.log(0.3), abs=1e-4)
+    assert losses["asked_colour"] == pytest.approx(math.log(4), abs=1e-6)  # uniform heads
+    assert losses["card_colour"] == pytest.approx(3 * math.log(4), abs=1e-6)
+    assert losses["glyph"] == pytest.approx(2 * math.log(4), abs=1e-6)  # the blank card has no class

@@ -311,6 +311,11 @@ class QwenVideoAdapter:
     def sequence_logprobs(self, inputs: dict, response_ids: torch.Tensor) -> torch.Tensor:
         """Log-probabilities (L,) of `response_ids` (L,) following the prompt in `inputs`, with
         gradients (teacher forcing; temperature 1). Used by the backbone's PPO update."""
+        return self.sequence_outputs(inputs, response_ids)[0]
+
+    def sequence_outputs(self, inputs: dict, response_ids: torch.Tensor, **forward_kwargs):
+        """`sequence_logprobs` and the model's whole output (`forward_kwargs` such as
+        output_attentions=True go to the model's forward)."""
         response_ids = response_ids.clone()  # ids from `generate_ids` are inference-mode tensors
         ids = torch.cat([inputs["input_ids"], response_ids[None].to(inputs["input_ids"].device)], dim=1)
         extra = response_ids.numel()
@@ -326,8 +331,10 @@ class QwenVideoAdapter:
             tail = pos[..., -1:] + torch.arange(1, extra + 1, device=pos.device)
             batch["position_ids"] = torch.cat([pos, tail], dim=-1)
         self.model.model.rope_deltas = None
-        logits = self.model(**batch).logits[0, inputs["input_ids"].shape[1] - 1 : -1]
-        return torch.log_softmax(logits.float(), dim=-1).gather(-1, response_ids[:, None].to(logits.device))[:, 0]
+        outputs = self.model(**batch, **forward_kwargs)
+        logits = outputs.logits[0, inputs["input_ids"].shape[1] - 1 : -1]
+        logprobs = torch.log_softmax(logits.float(), dim=-1).gather(-1, response_ids[:, None].to(logits.device))[:, 0]
+        return logprobs, outputs
 
 
 class Qwen25VLAdapter(QwenVideoAdapter):

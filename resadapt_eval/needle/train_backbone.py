@@ -31,12 +31,15 @@ from ..fixtures import CHAT_TEMPLATE, IMAGE_MEAN, IMAGE_STD, _token_ids, build_t
 from ..video import DecodedVideo
 from .data import (
     CANDIDATES,
+    CLASSES,
+    COLOURS,
     FPS,
     FRAMES,
     LETTERS,
     LONG_FRAMES,
     QUESTION,
     SIZE,
+    NeedleSpec,
     query_question,
     random_query,
     random_spec,
@@ -141,19 +144,9 @@ def train_vision_stage(
     return history
 
 
-def training_sample(
-    rng: np.random.Generator, variant: str, max_pairs: int, cue_fraction: float, distractors: float = 1.0
-) -> tuple[np.ndarray, str, int, int]:
-    """One stage-2 video: uint8 frames, its question, the answer's class and the evidence pair;
-    `distractors`: the chance that a query video's other candidates carry their glyphs (else
-    only their cards and borders)."""
-    if variant == "query":
-        pairs = int(rng.integers(CANDIDATES, max(CANDIDATES, max_pairs) + 1))
-        specs, target = random_query(rng, pairs)
-        if rng.random() >= distractors:
-            specs = [s if k == target else replace(s, contrast=0.0) for k, s in enumerate(specs)]
-        frames = render_query_video(rng, specs, 2 * pairs)
-        return frames, query_question(specs[target].colour), specs[target].label, specs[target].evidence_pair
+def training_sample(rng: np.random.Generator, variant: str, max_pairs: int, cue_fraction: float):
+    """One stage-2 video of the single or long variant: uint8 frames, its question, the answer's
+    class and the evidence pair."""
     pairs = int(rng.integers(1, max_pairs + 1))
     spec = random_spec(rng, pairs if variant == "long" else min(pairs, PAIRS // 2))  # long: anywhere
     cue = bool(cue_fraction and rng.random() < cue_fraction)
@@ -178,6 +171,15 @@ def sample_scales(rng: np.random.Generator, pairs: int, evidence: int, variant: 
     else:
         pair_scales = np.full(pairs, rng.uniform(0.25, 0.875))
     return np.repeat(pair_scales, 2)
+
+
+def chat_prompt(adapter: QwenVideoAdapter, question: str) -> str:
+    """The chat-formatted prompt of one needle video and its question, ready for the answer."""
+    return adapter.processor.apply_chat_template(
+        [{"role": "user", "content": [{"type": "video", "video": "needle"}, {"type": "text", "text": question}]}],
+        tokenize=False,
+        add_generation_prompt=True,
+    )
 
 
 def train_answer_stage(
@@ -207,13 +209,6 @@ def train_answer_stage(
         weight_decay=0.01,
     )
 
-    def prompt(question: str) -> str:
-        return adapter.processor.apply_chat_template(
-            [{"role": "user", "content": [{"type": "video", "video": "needle"}, {"type": "text", "text": question}]}],
-            tokenize=False,
-            add_generation_prompt=True,
-        )
-
     end = tok.convert_tokens_to_ids("<|im_end|>")
     history, losses = [], []
     bar = tqdm(range(steps), desc="needle stage 2 (answer)", disable=not progress)
@@ -221,15 +216,14 @@ def train_answer_stage(
         max_pairs = most_pairs if full_curriculum else min(most_pairs, 2 + int(step / (0.5 * steps) * (most_pairs - 2)))
         optimizer.zero_grad()
         correct, loss = 0, 0.0
-        distractors = min(1.0, step / (0.5 * steps))  # query: other candidates' glyphs phased in
         for _ in range(batch):
-            frames, question, label, evidence = training_sample(rng, variant, max_pairs, cue_fraction, distractors)
+            frames, question, label, evidence = training_sample(rng, variant, max_pairs, cue_fraction)
             pairs = len(frames) // 2
             video = DecodedVideo(frames=frames, indices=list(range(2 * pairs)), total_frames=2 * pairs, fps=float(FPS))
             plan = plan_from_scales(
                 sample_scales(rng, pairs, evidence, variant), (SIZE, SIZE), adapter.grid, min_tokens_per_pair=1
             )
-            inputs = adapter.build_inputs(prompt(question), video, plan)
+            inputs = adapter.build_inputs(chat_prompt(adapter, question), video, plan)
             answer = torch.tensor([tok(LETTERS[label])["input_ids"][0], end])
             logprobs = adapter.sequence_logprobs(inputs, answer)
             (-logprobs.sum() / batch).backward()
@@ -240,6 +234,128 @@ def train_answer_stage(
         history.append(correct / batch)
         losses.append(loss)
         bar.set_postfix(pairs=max_pairs, acc=f"{np.mean(history[-20:]):.2f}", loss=f"{np.mean(losses[-20:]):.3f}")
+    return history
+
+
+def glyph_tokens(plan, spec: NeedleSpec) -> torch.Tensor:
+    """Indices, among a video's visual tokens (pairs in order, each row-major on its merged grid),
+    of the tokens that cover `spec`'s glyph in its pair at the plan's size for that pair."""
+    pair = spec.evidence_pair
+    height, width = plan.pair_sizes[pair]
+    rows, cols = height // plan.grid.token_px, width // plan.grid.token_px
+    row_px, col_px = SIZE / rows, SIZE / cols  # source pixels per token
+    first = sum(plan.pair_tokens[:pair])
+    return torch.tensor(
+        [
+            first + r * cols + c
+            for r in range(int(spec.y // row_px), int((spec.y + spec.glyph - 1) // row_px) + 1)
+            for c in range(int(spec.x // col_px), int((spec.x + spec.glyph - 1) // col_px) + 1)
+        ]
+    )
+
+
+class BindingHeads(nn.Module):
+    """Training-only linear heads of the query stage (dropped after training, like stage 1's):
+    the asked colour from the answer position's state after the first layer; each candidate's glyph
+    class and card colour from its glyph tokens as they enter the LLM."""
+
+    def __init__(self, hidden: int):
+        super().__init__()
+        self.asked_colour = nn.Linear(hidden, len(COLOURS))
+        self.glyph = nn.Linear(hidden, len(CLASSES))
+        self.card_colour = nn.Linear(hidden, len(COLOURS))
+
+
+def binding_losses(outputs, heads: BindingHeads, plan, answer_at: int, visual_at, specs, target: int) -> dict:
+    """The query stage's auxiliary losses (nats) for one video (`outputs` with attentions and
+    hidden states; `visual_at` the visual tokens' sequence positions):
+    - attention: for every LLM layer after the first, -log of the share the asked candidate's
+      glyph tokens take of the attention the answer position gives all candidates' glyph tokens
+      (mean over heads), and -log of the largest attention mass one head gives them;
+    - asked_colour: the colour named in the question, read at the answer position after layer 1;
+    - glyph, card_colour: each candidate's class (where drawn) and colour from its glyph tokens."""
+    colour_index = {c: i for i, c in enumerate(COLOURS)}
+    tokens = [visual_at[glyph_tokens(plan, s)] for s in specs]
+    asked, every = tokens[target], torch.cat(tokens)
+    attention = 0.0
+    for layer in outputs.attentions[1:]:
+        weights = layer[0, :, answer_at]  # (heads, keys)
+        mass = weights[:, asked].sum(-1)
+        share = mass / weights[:, every].sum(-1).clamp_min(1e-6)
+        attention = attention - torch.log(share.mean() + 1e-6) - torch.log(mass.max() + 1e-6)
+    state = outputs.hidden_states[1][0, answer_at]
+    asked_colour = -torch.log_softmax(heads.asked_colour(state), -1)[colour_index[specs[target].colour]]
+    glyph, card = 0.0, 0.0
+    for spec, positions in zip(specs, tokens):
+        features = outputs.hidden_states[0][0, positions]
+        card = card - torch.log_softmax(heads.card_colour(features.mean(0)), -1)[colour_index[spec.colour]]
+        if spec.contrast > 0:
+            glyph = glyph - torch.log_softmax(heads.glyph(features.max(0).values), -1)[spec.label]
+    return dict(attention=attention, asked_colour=asked_colour, glyph=glyph, card_colour=card)
+
+
+def train_query_stage(
+    adapter: QwenVideoAdapter,
+    rng,
+    steps: int,
+    batch: int,
+    lr: float,
+    progress: bool,
+    vision_lr_scale: float = 0.2,
+    single_fraction: float = 0.3,
+) -> list[float]:
+    """Stage 2 on the query variant: the answer letter plus `binding_losses` (the answer loss alone
+    stays at chance: the answer position must first find the named colour in the question, then
+    attend to the glyph of that colour, and neither step pays before the other exists). Videos
+    hold 3-8 pairs with `CANDIDATES` candidates; in `single_fraction` of them only the asked
+    candidate carries its glyph (the others their cards and borders), which keeps the glyph
+    readout alive while the binding forms. Scales: 45% all full, else the asked candidate at
+    0.75-1.0 and the rest at 0.125-0.5. Returns each step's share of samples given the answer
+    letter with probability > 0.5; the bar shows the answer loss on videos with every glyph."""
+    model, tok = adapter.model, adapter.tokenizer
+    attn_implementation = model.config._attn_implementation
+    model.set_attn_implementation("eager")  # attention weights for the binding loss
+    heads = BindingHeads(model.config.text_config.hidden_size)
+    vision = set(id(p) for p in model.model.visual.parameters())
+    optimizer = torch.optim.AdamW(
+        [
+            {"params": [p for p in model.parameters() if id(p) in vision], "lr": lr * vision_lr_scale},
+            {"params": [p for p in model.parameters() if id(p) not in vision], "lr": lr},
+            {"params": list(heads.parameters()), "lr": 1e-3},
+        ],
+        weight_decay=0.01,
+    )
+    end = tok.convert_tokens_to_ids("<|im_end|>")
+    history, losses = [], []
+    bar = tqdm(range(steps), desc="needle stage 2 (query)", disable=not progress)
+    for step in bar:
+        optimizer.zero_grad()
+        correct = 0
+        for _ in range(batch):
+            pairs = int(rng.integers(CANDIDATES, PAIRS + 1))
+            specs, target = random_query(rng, pairs)
+            if rng.random() < single_fraction:
+                specs = [s if k == target else replace(s, contrast=0.0) for k, s in enumerate(specs)]
+            frames = render_query_video(rng, specs, 2 * pairs)
+            video = DecodedVideo(frames=frames, indices=list(range(2 * pairs)), total_frames=2 * pairs, fps=float(FPS))
+            scales = sample_scales(rng, pairs, specs[target].evidence_pair)
+            plan = plan_from_scales(scales, (SIZE, SIZE), adapter.grid, min_tokens_per_pair=1)
+            inputs = adapter.build_inputs(chat_prompt(adapter, query_question(specs[target].colour)), video, plan)
+            answer = torch.tensor([tok(LETTERS[specs[target].label])["input_ids"][0], end])
+            logprobs, outputs = adapter.sequence_outputs(
+                inputs, answer, output_attentions=True, output_hidden_states=True
+            )
+            visual_at = torch.nonzero(inputs["input_ids"][0] == adapter.processor.video_token_id).flatten()
+            aux = binding_losses(outputs, heads, plan, inputs["input_ids"].shape[1] - 1, visual_at, specs, target)
+            (-logprobs.sum() + sum(aux.values())).div(batch).backward()
+            correct += int(logprobs[0].exp() > 0.5)
+            if all(s.contrast > 0 for s in specs):
+                losses.append(-float(logprobs[0].detach()))
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        history.append(correct / batch)
+        bar.set_postfix(acc=f"{np.mean(history[-20:]):.2f}", loss=f"{np.mean(losses[-100:]) if losses else 0:.3f}")
+    model.set_attn_implementation(attn_implementation)
     return history
 
 
@@ -274,18 +390,21 @@ def train_backbone(
     t0 = time.perf_counter()
     train_vision_stage(model, processor, rng, stage1_steps, batch, 2e-3, progress, cue_fraction)
     adapter = ADAPTERS[family](model, processor)
-    train_answer_stage(
-        adapter,
-        rng,
-        stage2_steps,
-        max(1, batch // 2),
-        lr,
-        progress,
-        full_curriculum=bool(init),
-        cue_fraction=cue_fraction,
-        variant=variant,
-        vision_lr_scale=vision_lr_scale,
-    )
+    if variant == "query":
+        train_query_stage(adapter, rng, stage2_steps, max(1, batch // 2), lr, progress, vision_lr_scale)
+    else:
+        train_answer_stage(
+            adapter,
+            rng,
+            stage2_steps,
+            max(1, batch // 2),
+            lr,
+            progress,
+            full_curriculum=bool(init),
+            cue_fraction=cue_fraction,
+            variant=variant,
+            vision_lr_scale=vision_lr_scale,
+        )
     model.eval()
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
