@@ -37,6 +37,7 @@ class SampleRecord:
     per_token_s (each later token), peak_memory_mb (`profile.clock.peak_memory_mb`; None on vLLM).
     Stage clocks are CUDA events on a GPU, wall clocks on CPU. error: `ExceptionType: message`.
     allocator: the Allocator checkpoint of method=resadapt (`untrained` when run on purpose without one).
+    allocator_query: what that Allocator read as the query (`question`, or `empty` in the ablation).
     budget_rule: the rule that sized the plan (`BudgetSpec.rule_label`: `paper` or `authors_code`,
     with any setting given against it, e.g. `authors_code (fixed_scale_rule=search)`).
     FLOPs of a successful sample (0 for a failed one; counted by `compute.flops`, 2 per multiply-add
@@ -52,6 +53,7 @@ class SampleRecord:
     task: str | None
     method: str
     allocator: str | None = None
+    allocator_query: str | None = None
     budget_rule: str | None = None
     video: str | None = None
     num_frames: int = 0
@@ -119,6 +121,7 @@ def build_record(
         task=request.task,
         method=config.method,
         allocator=config.allocator,
+        allocator_query=config.allocator_query if config.allocator else None,
         budget_rule=config.budget.rule_label,
         video=None if request.video is None else str(request.video),
         target_retention=config.budget.retention,

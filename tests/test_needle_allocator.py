@@ -247,6 +247,14 @@ def test_cell_summary_by_hand(tmp_path):
     assert selected.selection and selected.label == "ResAdapt (frame selection)"
     assert selected.evidence_fraction == pytest.approx(0.5)  # videos 0, 1 kept their evidence pair; 2 and 3 another
     assert "| ResAdapt (frame selection) | 16 | 0.25 |" in to_markdown([selected])
+    # the query ablation: records say the Allocator read an empty query, and the row says so
+    for rec in records:
+        rec.pop("candidates", None), rec.update(allocator_query="empty")
+    ablation = summarize_cell(run, rows)
+    assert ablation.empty_query and not ablation.selection and ablation.label == "ResAdapt (empty query)"
+    assert "| ResAdapt (empty query) | 16 | 0.25 | 0.250 | 60.0 ± 21.9 | 75.0 ± 21.7 | - | 5 |" in to_markdown(
+        [ablation]
+    )
 
 
 def test_committed_needle_allocator_spends_r025_on_the_evidence_pair(tmp_path):

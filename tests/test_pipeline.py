@@ -141,9 +141,11 @@ def test_allocator_query_empty_scores_with_an_empty_query_and_the_backbone_keeps
     (asked,), _ = ablated.allocator.raw_scales_batch([arrays], [question])
     assert record.raw_scales == [round(float(s), 6) for s in empty] != [round(float(s), 6) for s in asked]
     assert record.allocator_flops == ablated.allocator.flops(3, "")  # FLOPs of what it read
+    assert record.allocator_query == "empty"  # the sidecar says which query the Allocator read
     _, with_question = VideoPipeline(adapter, VideoPipelineConfig(method="resadapt", allocator="untrained")).run(
         request
     )
+    assert with_question.allocator_query == "question"
     # the backbone reads the same question: text tokens equal, only the visual tokens differ
     assert record.input_tokens - record.visual_tokens == with_question.input_tokens - with_question.visual_tokens
     with pytest.raises(ValueError, match="allocator_query must be one of"):

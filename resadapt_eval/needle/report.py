@@ -70,17 +70,25 @@ class CellSummary:
     tflops: float | None = None
     frames: int | None = None
     selection: bool = False  # frame selection (`operator=select|select_resize`): the records carry `candidates`
+    empty_query: bool = False  # the Allocator read "" (`allocator_query=empty`), the backbone the question
 
     @property
     def label(self) -> str:
-        """The method's display name, marked when the Allocator selected frames instead of resizing them."""
-        return METHODS[self.method].display_name + (" (frame selection)" if self.selection else "")
+        """The method's display name, marked when the Allocator selected frames instead of resizing
+        them, or read an empty query."""
+        marks = [m for m, on in (("frame selection", self.selection), ("empty query", self.empty_query)) if on]
+        return METHODS[self.method].display_name + "".join(f" ({m})" for m in marks)
 
 
 def load_rows(data: str | Path) -> dict[str, dict]:
     """Needle data rows keyed by resolved video path."""
     rows = [json.loads(line) for line in Path(data).read_text().splitlines() if line.strip()]
     return {str(Path(r["video_path"]).resolve()): r for r in rows}
+
+
+def any_empty_query(records: list[dict]) -> bool:
+    """The cell's Allocator read an empty query (`allocator_query=empty`, the query ablation)."""
+    return any(r.get("allocator_query") == "empty" for r in records)
 
 
 def summarize_cell(run: CellRun, rows: dict[str, dict]) -> CellSummary:
@@ -105,6 +113,7 @@ def summarize_cell(run: CellRun, rows: dict[str, dict]) -> CellSummary:
         run.tflops(),
         run.frames,
         any(r.get("candidates") for r in records),
+        any_empty_query(records),
     )
 
 
@@ -113,7 +122,14 @@ def summarize(runs: list[CellRun], rows: dict[str, dict]) -> list[CellSummary]:
     order, then by target R (descending) and frame count."""
     cells = [summarize_cell(run, rows) for run in runs]
     return sorted(
-        cells, key=lambda c: (list(METHODS).index(c.method), c.selection, -(c.retention or 1.0), c.frames or 0)
+        cells,
+        key=lambda c: (
+            list(METHODS).index(c.method),
+            c.selection,
+            c.empty_query,
+            -(c.retention or 1.0),
+            c.frames or 0,
+        ),
     )
 
 
@@ -174,7 +190,8 @@ def evidence_plot(run: CellRun, rows: dict[str, dict], out: Path, videos: int = 
     right.grid(alpha=0.3)
     fig.tight_layout()
     out.mkdir(parents=True, exist_ok=True)
-    paths = [out / f"needle_evidence_{run.path.name}.png", out / f"needle_evidence_{run.path.name}.pdf"]
+    stem = f"needle_evidence_{run.path.name}" + ("_empty_query" if any_empty_query(run.records) else "")
+    paths = [out / f"{stem}.png", out / f"{stem}.pdf"]
     for p in paths:
         fig.savefig(p, dpi=150)
     plt.close(fig)
