@@ -167,6 +167,28 @@ def test_needle_train_allocator_writes_a_loadable_checkpoint(tmp_path):
     assert all(0.25 <= m["achieved_retention"] <= 0.8 for m in metrics)  # every rollout projected into the YAML's range
 
 
+def test_query_allocator_config_starts_from_the_needle_allocator_with_text_positions(tmp_path):
+    from resadapt_eval.needle.data import make_split
+    from resadapt_eval.train.config import build_trainer
+
+    data = make_split(tmp_path / "query", "train", 1, seed=0, variant="query", progress=False)
+    config = yaml.safe_load((REPO / "configs" / "needle_allocator_query.yaml").read_text())
+    config.update(output_dir=str(tmp_path / "run"), data=str(data))
+    config["backbone"]["pretrained"] = str(REPO / config["backbone"]["pretrained"].removeprefix("../"))
+    config["allocator"]["checkpoint"] = str(REPO / config["allocator"]["checkpoint"].removeprefix("../"))
+    path = tmp_path / "query.yaml"
+    path.write_text(yaml.safe_dump(config))
+    trainer = build_trainer(path)
+    start = Allocator.from_pretrained(config["allocator"]["checkpoint"])
+    assert trainer.allocator.config.text_positions and not start.config.text_positions
+    for name, weight in start.trainable_state_dict().items():  # the same weights, now reading token order
+        assert torch.equal(trainer.allocator.trainable_state_dict()[name], weight)
+    config["allocator"]["width"] = 32  # a setting that changes the weights cannot ride on a checkpoint
+    path.write_text(yaml.safe_dump(config))
+    with pytest.raises(ValueError, match=r"at most text_positions.*\['text_positions', 'width'\]"):
+        build_trainer(path)
+
+
 def test_evidence_pair_is_highest_by_hand():
     scales = [0.2, 0.4, 1.0, 0.8, 0.3, 0.3, 0.5, 0.5]  # pairs: 0.3, 0.9, 0.3, 0.5
     assert pair_scale_of(scales).tolist() == pytest.approx([0.3, 0.9, 0.3, 0.5])

@@ -10,7 +10,8 @@
               answer: generate, choices: ABCD,          # or choice_logits (multiple choice, one forward)
               retention: null, s_min: 0.2, s_max: 1.8}  # R or [lo, hi] (R drawn per prompt): project each
                                                         # allocation onto R within [s_min, s_max]
-    allocator: {checkpoint: null}       # or `untrained`, or a folder; otherwise AllocatorConfig fields
+    allocator: {checkpoint: null}       # or `untrained`, or a folder (with it, only text_positions: true
+                                        # may be added: it adds no weights); otherwise AllocatorConfig fields
     capo: {...}                         # CAPOConfig fields
     train: {...}                        # TrainConfig fields (output_dir comes from the top level)
 
@@ -19,7 +20,7 @@ Relative paths resolve against the YAML file's folder.
 
 from __future__ import annotations
 
-from dataclasses import fields
+from dataclasses import fields, replace
 from pathlib import Path
 
 import yaml
@@ -32,6 +33,7 @@ from .data import load_samples
 from .engines import HFRolloutEngine
 from .trainer import AllocatorTrainer, TrainConfig
 
+CHECKPOINT_OVERRIDES = ("text_positions",)  # AllocatorConfig fields a `checkpoint` may change: no weights
 SECTIONS = ("output_dir", "data", "backbone", "rollout", "allocator", "capo", "train")
 BACKBONE_KEYS = ("family", "pretrained", "device", "dtype", "attn_implementation")
 ROLLOUT_KEYS = (
@@ -122,9 +124,16 @@ def build_trainer(config_path: str | Path, steps: int | None = None) -> Allocato
     allocator_cfg = dict(raw.get("allocator") or {})
     checkpoint = allocator_cfg.pop("checkpoint", None)
     if checkpoint is not None:
-        if allocator_cfg:
-            raise ValueError(f"{path}: `allocator` takes either `checkpoint` or AllocatorConfig fields, not both")
+        if set(allocator_cfg) - set(CHECKPOINT_OVERRIDES):
+            raise ValueError(
+                f"{path}: `allocator` takes either `checkpoint` (with at most {', '.join(CHECKPOINT_OVERRIDES)}) "
+                f"or AllocatorConfig fields, not both; got {sorted(allocator_cfg)}"
+            )
         allocator = load_allocator(checkpoint if checkpoint == UNTRAINED else resolve(checkpoint), device=device)
+        if allocator_cfg:  # settings that add no weights: the same weights under the new config
+            changed = Allocator(replace(allocator.config, **allocator_cfg), encoders=allocator.encoders)
+            changed.load_state_dict(allocator.state_dict())
+            allocator = changed.to(device)
     else:
         allocator = Allocator(_dataclass_from(path, "allocator", AllocatorConfig, allocator_cfg)).to(device)
 
