@@ -207,7 +207,7 @@ def make_split(
 ) -> Path:
     """Write `count` videos and `<split>.jsonl` (rows: video_path and video (the same path, for
     the lmms-eval task and the trainer), task_type, question, answer, label, evidence_pair,
-    evidence_frames, cue, variant; the query variant adds colour and candidate_pairs) under `out`;
+    evidence_frames, cue, variant; the query variant adds colour and candidate_pairs / _colours / _labels) under `out`;
     returns the JSONL path. The first k rows of a split do not depend on `count`. The evidence
     pair is drawn from pairs 0 .. evidence_pairs - 1 (default: the first half for `single`, any
     pair for `long`; `query` puts its candidates anywhere)."""
@@ -234,7 +234,12 @@ def make_split(
             spec = specs[target]
             frames = render_query_video(rng, specs, num_frames)
             question = query_question(spec.colour)
-            extra = dict(colour=spec.colour, candidate_pairs=[s.evidence_pair for s in specs])
+            extra = dict(
+                colour=spec.colour,
+                candidate_pairs=[s.evidence_pair for s in specs],
+                candidate_colours=[s.colour for s in specs],
+                candidate_labels=[s.label for s in specs],
+            )
         else:
             spec = random_spec(rng, evidence_pairs)
             frames = render_video(rng, spec, cue, num_frames, noise=variant != "long")
