@@ -337,3 +337,20 @@ def test_text_positions_make_the_policy_read_the_query_s_token_order():
         a = allocator(**allocator.encode([video], ["the red border"]))[0]
         b = allocator(**allocator.encode([video], ["the der border"]))[0]
         assert bool((a - b).abs().max() > 1e-3) is differs
+
+
+def test_tiny_colour_encoder_adds_the_joint_rgb_histogram_to_the_tiny_features():
+    from resadapt_eval.allocator.encoders import build_encoders
+
+    colour, tiny = build_encoders("tiny-colour"), build_encoders("tiny")
+    frame = torch.zeros(1, 64, 64, 3, dtype=torch.uint8)
+    frame[:, :, :32, 0] = 255  # left half red (bin r=3, g=0, b=0: 48)
+    frame[:, :, 32:, 2] = 255  # right half blue (bin 3)
+    features = colour.encode_frames(frame)
+    assert features.shape == (1, colour.frame_dim) == (1, 32 + 64)
+    assert torch.allclose(features[:, :32], tiny.encode_frames(frame))  # the same seeded CNN
+    histogram = features[0, 32:]
+    assert histogram.sum() == pytest.approx(1.0)
+    # the antialiased 64 -> 32 resize blends one column at the seam: nearly half and half
+    assert histogram[48] == pytest.approx(0.5, abs=0.04) and histogram[3] == pytest.approx(0.5, abs=0.04)
+    assert histogram[48] + histogram[3] > 0.9

@@ -106,7 +106,8 @@ class TinyEncoders(FrozenEncoders):
     """Seeded random encoders for tests: 2-layer CNN on 32x32 frames; byte embeddings for text."""
 
     name = "tiny"
-    frame_dim = 32
+    cnn_dim = 32
+    frame_dim = cnn_dim
     text_dim = 32
     frame_size = 32
 
@@ -115,7 +116,7 @@ class TinyEncoders(FrozenEncoders):
         generator_state = torch.random.get_rng_state()
         torch.manual_seed(seed)
         self.cnn = nn.Sequential(
-            nn.Conv2d(3, 16, 3, stride=2, padding=1), nn.GELU(), nn.Conv2d(16, self.frame_dim, 3, stride=2, padding=1)
+            nn.Conv2d(3, 16, 3, stride=2, padding=1), nn.GELU(), nn.Conv2d(16, self.cnn_dim, 3, stride=2, padding=1)
         )
         self.bytes = nn.Embedding(256, self.text_dim)
         torch.random.set_rng_state(generator_state)
@@ -137,6 +138,23 @@ class TinyEncoders(FrozenEncoders):
 
     def text_states(self, ids, mask):
         return self.bytes(ids)
+
+
+class TinyColourEncoders(TinyEncoders):
+    """`tiny` plus each frame's joint RGB histogram (4 bins a channel, 64 shares summing to 1) on
+    the same 32x32 frame: the random CNN's mean-pooled features barely tell colours apart."""
+
+    name = "tiny-colour"
+    frame_dim = TinyEncoders.cnn_dim + 64
+
+    def encode_chunk(self, frames):
+        x = coarse_frames(frames, self.frame_size, (0.0, 0.0, 0.0), (1.0, 1.0, 1.0))  # (N, 3, 32, 32) in [0, 1]
+        bins = (x.clamp(0, 1 - 1e-6) * 4).long()  # (N, 3, 32, 32) in 0..3
+        index = (bins[:, 0] * 16 + bins[:, 1] * 4 + bins[:, 2]).flatten(1)  # (N, 1024)
+        histogram = torch.zeros(len(x), 64, device=x.device).scatter_add_(
+            1, index, torch.ones_like(index, dtype=x.dtype)
+        )
+        return torch.cat([super().encode_chunk(frames), histogram / index.shape[1]], dim=1)
 
 
 class MiniLMEffNetEncoders(FrozenEncoders):
@@ -218,7 +236,7 @@ class SmolVLMEncoders(FrozenEncoders):
 
 
 ENCODERS: dict[str, type[FrozenEncoders]] = {
-    cls.name: cls for cls in (TinyEncoders, MiniLMEffNetEncoders, SmolVLMEncoders)
+    cls.name: cls for cls in (TinyEncoders, TinyColourEncoders, MiniLMEffNetEncoders, SmolVLMEncoders)
 }
 
 

@@ -49,7 +49,8 @@ class CheckpointError(ValueError):
 class AllocatorConfig:
     """Everything that defines an Allocator. Widths in features; scales are linear factors.
 
-    encoder / encoder_path: frozen encoders by name (`minilm-effnet`, `smolvlm`, `tiny`) and path.
+    encoder / encoder_path: frozen encoders by name (`minilm-effnet`, `smolvlm`, `tiny`,
+    `tiny-colour`) and path.
     policy: `beta` (the paper's head) or `logit_normal` (N-CAPO); init_sigma: its initial sigma.
     width: shared width D; num_layers / num_heads: decoder depth and heads; ffn_mult: FFN width / D.
     gate_init: initial sigmoid gate of the cross-attention. s_min, s_max: scale range.

@@ -182,6 +182,19 @@ def chat_prompt(adapter: QwenVideoAdapter, question: str) -> str:
     )
 
 
+def answer_optimizer(model, lr: float, vision_lr_scale: float, heads: nn.Module | None = None):
+    """AdamW for stage 2: the LLM at `lr`, the vision tower at `lr * vision_lr_scale`, and any
+    training-only `heads` at 1e-3."""
+    vision = set(id(p) for p in model.model.visual.parameters())
+    groups = [
+        {"params": [p for p in model.parameters() if id(p) in vision], "lr": lr * vision_lr_scale},
+        {"params": [p for p in model.parameters() if id(p) not in vision], "lr": lr},
+    ]
+    if heads is not None:
+        groups.append({"params": list(heads.parameters()), "lr": 1e-3})
+    return torch.optim.AdamW(groups, weight_decay=0.01)
+
+
 def train_answer_stage(
     adapter: QwenVideoAdapter,
     rng,
@@ -200,14 +213,7 @@ def train_answer_stage(
     answer letter's loss (nats; chance over 4 letters: 1.386)."""
     most_pairs = LONG_FRAMES // 2 if variant == "long" else PAIRS
     model, tok = adapter.model, adapter.tokenizer
-    vision = set(id(p) for p in model.model.visual.parameters())
-    optimizer = torch.optim.AdamW(
-        [
-            {"params": [p for p in model.parameters() if id(p) in vision], "lr": lr * vision_lr_scale},
-            {"params": [p for p in model.parameters() if id(p) not in vision], "lr": lr},
-        ],
-        weight_decay=0.01,
-    )
+    optimizer = answer_optimizer(model, lr, vision_lr_scale)
 
     end = tok.convert_tokens_to_ids("<|im_end|>")
     history, losses = [], []
@@ -316,15 +322,7 @@ def train_query_stage(
     attn_implementation = model.config._attn_implementation
     model.set_attn_implementation("eager")  # attention weights for the binding loss
     heads = BindingHeads(model.config.text_config.hidden_size)
-    vision = set(id(p) for p in model.model.visual.parameters())
-    optimizer = torch.optim.AdamW(
-        [
-            {"params": [p for p in model.parameters() if id(p) in vision], "lr": lr * vision_lr_scale},
-            {"params": [p for p in model.parameters() if id(p) not in vision], "lr": lr},
-            {"params": list(heads.parameters()), "lr": 1e-3},
-        ],
-        weight_decay=0.01,
-    )
+    optimizer = answer_optimizer(model, lr, vision_lr_scale, heads)
     end = tok.convert_tokens_to_ids("<|im_end|>")
     history, losses = [], []
     bar = tqdm(range(steps), desc="needle stage 2 (query)", disable=not progress)
