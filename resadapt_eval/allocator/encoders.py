@@ -123,8 +123,11 @@ class TinyEncoders(FrozenEncoders):
         self.freeze()
 
     def encode_chunk(self, frames):
-        x = coarse_frames(frames, self.frame_size, (0.5, 0.5, 0.5), (0.5, 0.5, 0.5))
-        return self.cnn(x).mean(dim=(2, 3))
+        return self.cnn_features(coarse_frames(frames, self.frame_size, (0.0, 0.0, 0.0), (1.0, 1.0, 1.0)))
+
+    def cnn_features(self, x: torch.Tensor) -> torch.Tensor:
+        """Coarse frames (N, 3, 32, 32) in [0, 1] -> the CNN's mean-pooled features (N, cnn_dim)."""
+        return self.cnn((x - 0.5) / 0.5).mean(dim=(2, 3))
 
     def tokenize(self, texts):
         encoded = [list(t.encode("utf-8"))[:256] or [0] for t in texts]
@@ -154,7 +157,7 @@ class TinyColourEncoders(TinyEncoders):
         histogram = torch.zeros(len(x), 64, device=x.device).scatter_add_(
             1, index, torch.ones_like(index, dtype=x.dtype)
         )
-        return torch.cat([super().encode_chunk(frames), histogram / index.shape[1]], dim=1)
+        return torch.cat([self.cnn_features(x), histogram / index.shape[1]], dim=1)  # one resize for both
 
 
 class MiniLMEffNetEncoders(FrozenEncoders):

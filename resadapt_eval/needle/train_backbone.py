@@ -8,10 +8,10 @@ Two stages (the answer-token loss alone stays at chance on this task):
    downscaled pairs when it can (45% all full; 35% evidence pair at 0.75-1.0 with the rest at
    0.125-0.5; 20% one uniform scale in 0.25-0.875).
 Videos are rendered in memory from seeded specs (no files); `cue_fraction` of them carry the
-`--cue` border on their evidence frames. `variant="query"` trains stage 2 on the query variant
-(k candidates in coloured borders, the question names one; the mixed-resolution recipe treats the
-asked candidate as the evidence pair); `variant="long"` on up to 64 pairs, mostly small (the
-budget of vanilla at 8 frames), the evidence pair at full size.
+`--cue` border on their evidence frames. `variant="query"` replaces stage 2 with
+`train_query_stage` (k candidates in coloured borders, the question names one; the answer loss
+plus the attention-supervised `binding_losses`); `variant="long"` trains stage 2 on up to 64
+pairs, mostly small (the budget of vanilla at 8 frames), the evidence pair at full size.
 """
 
 from __future__ import annotations
