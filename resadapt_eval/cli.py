@@ -56,17 +56,30 @@ def cmd_sweep(args) -> int:
     return 1 if any(r["status"] != "done" for r in records) else 0
 
 
+def collected(args, include_failed: bool = False):
+    """The cells of every RUN_DIR, or None (after saying why) when there are none or two clash."""
+    from .report.collect import collect_dirs
+
+    try:
+        runs = collect_dirs(args.run_dir, include_failed)
+    except ValueError as exc:
+        print(f"{args.command}: {exc}", file=sys.stderr)
+        return None
+    if not runs:
+        print(f"no finished cells under {', '.join(args.run_dir)}", file=sys.stderr)
+        return None
+    return runs
+
+
 def cmd_tables(args) -> int:
-    from .report.collect import collect
     from .report.tables import build_tables, to_markdown, write_tables
 
-    runs = collect(args.run_dir, include_failed=True)
-    if not runs:
-        print(f"no finished cells under {args.run_dir}", file=sys.stderr)
+    runs = collected(args, include_failed=True)
+    if runs is None:
         return 1
     paper_dir = Path(args.paper_dir) if args.paper else None
     tables = build_tables(runs, paper_dir)
-    out = Path(args.out) if args.out else Path(args.run_dir) / "tables"
+    out = Path(args.out) if args.out else Path(args.run_dir[0]) / "tables"
     write_tables(tables, out, with_paper=args.paper)
     for table in tables:
         print(to_markdown(table, with_paper=args.paper))
@@ -90,14 +103,12 @@ def cmd_tables(args) -> int:
 
 
 def cmd_plots(args) -> int:
-    from .report.collect import collect
     from .report.plots import write_plots
 
-    runs = collect(args.run_dir)
-    if not runs:
-        print(f"no finished cells under {args.run_dir}", file=sys.stderr)
+    runs = collected(args)
+    if runs is None:
         return 1
-    out = Path(args.out) if args.out else Path(args.run_dir) / "plots"
+    out = Path(args.out) if args.out else Path(args.run_dir[0]) / "plots"
     written = write_plots(runs, out)
     print(f"{len(written)} files (png, pdf): {out}")
     return 0
@@ -135,7 +146,9 @@ def cmd_demo(args) -> int:
         if card_status == 2:  # the output holds cells of another configuration: no tables of stale cells
             return card_status
         status = max(status, card_status)
-        common = argparse.Namespace(run_dir=str(out), out=None, paper=False, paper_dir=str(root / "results" / "paper"))
+        common = argparse.Namespace(
+            command="demo", run_dir=[str(out)], out=None, paper=False, paper_dir=str(root / "results" / "paper")
+        )
         cmd_tables(common)
         cmd_plots(common)
         cmd_needle_report(argparse.Namespace(run_dir=[str(out)], data=str(data), out=None))
@@ -393,8 +406,8 @@ def main(argv: list[str] | None = None) -> int:
         ("plots", cmd_plots, "Pareto frontiers and scale plots (png, pdf) from a run directory"),
     ):
         p = sub.add_parser(name, help=help_text)
-        p.add_argument("run_dir")
-        p.add_argument("--out", default=None, help=f"output folder (default: RUN_DIR/{name})")
+        p.add_argument("run_dir", nargs="+", help="sweep folder(s): a sweep run in parts, read as one")
+        p.add_argument("--out", default=None, help=f"output folder (default: the first RUN_DIR/{name})")
         if name == "tables":
             p.add_argument(
                 "--paper",

@@ -15,7 +15,9 @@ from resadapt_eval.allocator import Allocator
 from resadapt_eval.budget.plan import plan_from_scales, project_to_retention
 from resadapt_eval.budget.policies import BudgetSpec
 from resadapt_eval.needle.report import (
+    CellSummary,
     binomial_se,
+    cell_styles,
     evidence_hit,
     evidence_is_highest,
     pair_scale_of,
@@ -277,6 +279,24 @@ def test_cell_summary_by_hand(tmp_path):
     assert "| ResAdapt (empty query) | 16 | 0.25 | 0.250 | 60.0 ± 21.9 | 75.0 ± 21.7 | - | 5 |" in to_markdown(
         [ablation]
     )
+
+
+def test_every_cell_of_the_tflops_plot_has_its_own_colour_and_marker(tmp_path):
+    """Every registered method plus a method's variants (the query split's report has 14 rows):
+    no two points look alike, and a method keeps one colour."""
+    from resadapt_eval.methods import METHODS
+
+    base = dict(retention=0.25, achieved_retention=0.25, accuracy=0.5, accuracy_se=0.05, evidence_fraction=0.5)
+    cells = [CellSummary(method=m, evidence_se=0.05, n=400, path=tmp_path, **base) for m in METHODS]
+    cells += [
+        CellSummary(method="resadapt", evidence_se=0.05, n=400, path=tmp_path, empty_query=True, **base),
+        CellSummary(method="resadapt", evidence_se=0.05, n=400, path=tmp_path, selection=True, **base),
+    ]
+    styles = cell_styles(cells)
+    assert len({(s["color"], s["marker"]) for s in styles}) == len(cells) == len(METHODS) + 2
+    assert len({s["color"] for s in styles}) == len(METHODS)
+    resadapt = [s for c, s in zip(cells, styles) if c.method == "resadapt"]
+    assert len({s["marker"] for s in resadapt}) == 3
 
 
 def test_committed_needle_allocator_spends_r025_on_the_evidence_pair(tmp_path):

@@ -9,7 +9,7 @@ import time
 import pytest
 import yaml
 
-from resadapt_eval.report.collect import collect
+from resadapt_eval.report.collect import collect, collect_dirs
 from resadapt_eval.report.plots import pareto_lines, write_plots
 from resadapt_eval.report.tables import build_tables, to_latex, to_markdown
 
@@ -148,6 +148,30 @@ def test_plots_one_pareto_line_per_method(run_dir, tmp_path):
     assert {"pareto_tflops_resadapt_smoke_videoqa_f8.png", "pareto_tflops_resadapt_smoke_videoqa_f8.pdf"} <= names
     assert any(n.startswith("scales_resadapt") for n in names) and any(n.startswith("heatmap_resadapt") for n in names)
     assert all(p.stat().st_size > 1000 for p in written)
+
+
+def test_tables_and_plots_read_a_sweep_run_in_parts_and_refuse_a_cell_twice(run_dir, tmp_path, capsys):
+    import shutil
+
+    from resadapt_eval.cli import main
+
+    first, second = tmp_path / "part_a", tmp_path / "part_b"
+    for cell in run_dir.glob("*/cell.json"):
+        part = second if cell.parent.name.startswith("resadapt") else first
+        shutil.copytree(cell.parent, part / cell.parent.name)
+    runs = collect_dirs([first, second])
+    assert sorted(r.path.name for r in runs) == sorted(r.path.name for r in collect(run_dir))
+    assert sorted(pareto_lines(runs, "resadapt_smoke_videoqa", 8)) == ["fixed_scale", "resadapt", "vanilla"]
+    assert main(["plots", str(first), str(second)]) == 0
+    assert (first / "plots" / "pareto_resadapt_smoke_videoqa_f8.png").stat().st_size > 1000
+    assert main(["tables", str(first), str(second), "--out", str(tmp_path / "tables")]) == 0
+    with (tmp_path / "tables" / "video_qa.csv").open() as f:
+        assert len(list(csv.DictReader(f))) == 5
+    # the same cell in two folders (here a copy; in practice an ablation at the same method and R) stops, naming both
+    shutil.copytree(second, tmp_path / "again")
+    assert main(["plots", str(second), str(tmp_path / "again")]) == 1
+    message = capsys.readouterr().err
+    assert "plots:" in message and str(second / "resadapt-r0.25-f8") in message and str(tmp_path / "again") in message
 
 
 def test_killed_sweep_reruns_only_unfinished_cells(fixtures_dir, tmp_path):

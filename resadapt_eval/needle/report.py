@@ -26,6 +26,7 @@ import numpy as np  # noqa: E402
 from ..budget.plan import pair_frames, reduce_pair_scales  # noqa: E402
 from ..methods import METHODS  # noqa: E402
 from ..report.collect import CellRun, collect  # noqa: E402
+from ..report.plots import MARKERS, method_style  # noqa: E402
 
 
 def pair_scale_of(scales) -> np.ndarray:
@@ -198,20 +199,35 @@ def evidence_plot(run: CellRun, rows: dict[str, dict], out: Path, videos: int = 
     return paths
 
 
+def cell_styles(cells: list[CellSummary]) -> list[dict]:
+    """A colour and marker per cell: the method's from the Pareto plots (`method_style`), and for
+    its cells after the first (another R or frame count, frame selection, the empty-query
+    ablation) the next markers, so no two cells of up to 12 per method look alike."""
+    seen: dict[str, int] = {}
+    styles = []
+    for c in cells:
+        style = method_style(c.method)
+        variant = seen[c.method] = seen.get(c.method, -1) + 1
+        styles.append(
+            dict(color=style["color"], marker=MARKERS[(MARKERS.index(style["marker"]) + variant) % len(MARKERS)])
+        )
+    return styles
+
+
 def tflops_plot(cells: list[CellSummary], out: Path) -> list[Path]:
     """Accuracy (± one standard error) against mean TFLOPs a sample, one point per cell of any
     frame count (the long split compares vanilla at 8 frames with the methods at 128)."""
     fig, ax = plt.subplots(figsize=(7, 4.5))
     costed = [c for c in cells if c.tflops is not None]
-    for c in costed:
+    for c, style in zip(costed, cell_styles(costed)):
         r = "" if c.retention is None else f", R={c.retention:g}"
         ax.errorbar(
             c.tflops,
             100 * c.accuracy,
             yerr=100 * c.accuracy_se,
-            marker="o",
             capsize=3,
             label=f"{c.label}, {c.frames} f{r}",
+            **style,
         )
     ax.set_xlabel("TFLOPs per sample (vision tower, LLM, a method's own work, Allocator)")
     ax.set_ylabel("accuracy % (± s.e.)")

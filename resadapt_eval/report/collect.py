@@ -194,6 +194,25 @@ def collect(run_dir: str | Path, include_failed: bool = False) -> list[CellRun]:
     return runs
 
 
+def collect_dirs(run_dirs: list[str | Path], include_failed: bool = False) -> list[CellRun]:
+    """The cells of several sweep folders together (`collect` on each, in order), for one set of
+    tables or plots over sweeps run in parts. Two cells of the same card, method, frame count and
+    target R would be drawn as one method's point twice, or as one line through two settings (an
+    `allocator_query=empty` ablation beside the question cell): that stops with both folders named."""
+    runs, seen = [], {}
+    for run_dir in run_dirs:
+        for run in collect(run_dir, include_failed):
+            key = (run.card, run.method, run.frames, run.retention)
+            if key in seen:
+                raise ValueError(
+                    f"{seen[key]} and {run.path} are both {run.method} on card {run.card} at {run.frames} frames, "
+                    f"R={run.retention}: leave one of their sweep folders out, or report them separately"
+                )
+            seen[key] = run.path
+            runs.append(run)
+    return runs
+
+
 # --- table:capo_dist_ablation (`tables --paper`) -----------------------------------------------
 # The paper states no backbone, frames or R for it, so a cell is not matched to a paper row: the
 # paper's two rows and every ResAdapt cell with a known policy family sit side by side, no deltas.
