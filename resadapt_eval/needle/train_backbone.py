@@ -182,6 +182,17 @@ def chat_prompt(adapter: QwenVideoAdapter, question: str) -> str:
     )
 
 
+def answer_inputs(adapter: QwenVideoAdapter, frames: np.ndarray, scales: np.ndarray, question: str, label: int):
+    """One in-memory stage-2 video (uint8 frames (2 P, H, W, 3)) at per-frame `scales`: the
+    backbone inputs, the plan, and the answer's ids (the option letter, then <|im_end|>)."""
+    video = DecodedVideo(frames=frames, indices=list(range(len(frames))), total_frames=len(frames), fps=float(FPS))
+    plan = plan_from_scales(scales, (SIZE, SIZE), adapter.grid, min_tokens_per_pair=1)
+    inputs = adapter.build_inputs(chat_prompt(adapter, question), video, plan)
+    tok = adapter.tokenizer
+    answer = torch.tensor([tok(LETTERS[label])["input_ids"][0], tok.convert_tokens_to_ids("<|im_end|>")])
+    return inputs, plan, answer
+
+
 def answer_optimizer(model, lr: float, vision_lr_scale: float, heads: nn.Module | None = None):
     """AdamW for stage 2: the LLM at `lr`, the vision tower at `lr * vision_lr_scale`, and any
     training-only `heads` at 1e-3."""
@@ -212,10 +223,8 @@ def train_answer_stage(
     share of samples given the answer letter with probability > 0.5; the bar also shows the
     answer letter's loss (nats; chance over 4 letters: 1.386)."""
     most_pairs = LONG_FRAMES // 2 if variant == "long" else PAIRS
-    model, tok = adapter.model, adapter.tokenizer
+    model = adapter.model
     optimizer = answer_optimizer(model, lr, vision_lr_scale)
-
-    end = tok.convert_tokens_to_ids("<|im_end|>")
     history, losses = [], []
     bar = tqdm(range(steps), desc="needle stage 2 (answer)", disable=not progress)
     for step in bar:
@@ -224,13 +233,8 @@ def train_answer_stage(
         correct, loss = 0, 0.0
         for _ in range(batch):
             frames, question, label, evidence = training_sample(rng, variant, max_pairs, cue_fraction)
-            pairs = len(frames) // 2
-            video = DecodedVideo(frames=frames, indices=list(range(2 * pairs)), total_frames=2 * pairs, fps=float(FPS))
-            plan = plan_from_scales(
-                sample_scales(rng, pairs, evidence, variant), (SIZE, SIZE), adapter.grid, min_tokens_per_pair=1
-            )
-            inputs = adapter.build_inputs(chat_prompt(adapter, question), video, plan)
-            answer = torch.tensor([tok(LETTERS[label])["input_ids"][0], end])
+            scales = sample_scales(rng, len(frames) // 2, evidence, variant)
+            inputs, _, answer = answer_inputs(adapter, frames, scales, question, label)
             logprobs = adapter.sequence_logprobs(inputs, answer)
             (-logprobs.sum() / batch).backward()
             correct += int(logprobs[0].exp() > 0.5)
@@ -315,15 +319,14 @@ def train_query_stage(
     attend to the glyph of that colour, and neither step pays before the other exists). Videos
     hold 3-8 pairs with `CANDIDATES` candidates; in `single_fraction` of them only the asked
     candidate carries its glyph (the others their cards and borders), which keeps the glyph
-    readout alive while the binding forms. Scales: 45% all full, else the asked candidate at
-    0.75-1.0 and the rest at 0.125-0.5. Returns each step's share of samples given the answer
+    readout alive while the binding forms. Scales: `sample_scales`, the asked candidate as the
+    evidence pair. Returns each step's share of samples given the answer
     letter with probability > 0.5; the bar shows the answer loss on videos with every glyph."""
-    model, tok = adapter.model, adapter.tokenizer
+    model = adapter.model
     attn_implementation = model.config._attn_implementation
     model.set_attn_implementation("eager")  # attention weights for the binding loss
     heads = BindingHeads(model.config.text_config.hidden_size)
     optimizer = answer_optimizer(model, lr, vision_lr_scale, heads)
-    end = tok.convert_tokens_to_ids("<|im_end|>")
     history, losses = [], []
     bar = tqdm(range(steps), desc="needle stage 2 (query)", disable=not progress)
     for step in bar:
@@ -335,11 +338,9 @@ def train_query_stage(
             if rng.random() < single_fraction:
                 specs = [s if k == target else replace(s, contrast=0.0) for k, s in enumerate(specs)]
             frames = render_query_video(rng, specs, 2 * pairs)
-            video = DecodedVideo(frames=frames, indices=list(range(2 * pairs)), total_frames=2 * pairs, fps=float(FPS))
             scales = sample_scales(rng, pairs, specs[target].evidence_pair)
-            plan = plan_from_scales(scales, (SIZE, SIZE), adapter.grid, min_tokens_per_pair=1)
-            inputs = adapter.build_inputs(chat_prompt(adapter, query_question(specs[target].colour)), video, plan)
-            answer = torch.tensor([tok(LETTERS[specs[target].label])["input_ids"][0], end])
+            question = query_question(specs[target].colour)
+            inputs, plan, answer = answer_inputs(adapter, frames, scales, question, specs[target].label)
             logprobs, outputs = adapter.sequence_outputs(
                 inputs, answer, output_attentions=True, output_hidden_states=True
             )
