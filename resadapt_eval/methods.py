@@ -58,7 +58,7 @@ class Method:
     hf: the HF classes can run it; vllm: the vLLM engine can run it; images: it serves image
     requests; in_paper: one of the seven methods the paper compares (the demo's default set).
     policy: per-frame scales `(num_frames, base_hw, grid, spec) -> (T,)` for methods that do not
-    use the Allocator; compress: `(VisualTokens, keep, seed) -> assignment` for AFTER_MERGER methods;
+    use the Allocator; compress: `(VisualTokens, keep, seed) -> Compression` for AFTER_MERGER methods;
     prune: `(num_layers, visual, retention, layers, first_layer) -> [Stage]` for INSIDE_LLM methods
     (`baselines/inside_llm.py`: retention is layer-averaged), and for an AFTER_MERGER method with
     a second stage inside the LLM (its own share of the tokens that entered; the compressor keeps

@@ -132,10 +132,11 @@ def test_compressors_on_hand_made_tokens():
         received_attention=torch.tensor([0.1, 0.2, 0.9, 0.3, 0.5, 0.1, 0.2, 0.8]),
     )
     # ToMe at 3 of 4 per pair: first merges the most similar edge, identical tokens 0 -> 1
-    tome = REGISTRY["tome"].compress(tokens, 6)
+    tome = REGISTRY["tome"].compress(tokens, 6).assignment
     assert tome[0].item() == 1 and len(set(tome.tolist())) == 6
     # VisionZip with one token per pair keeps the most attended one
-    vz = REGISTRY["visionzip"].compress(tokens, 2)
+    with_keys = VisualTokens(feats, tokens.pair_sizes, tokens.grids, tokens.received_attention, keys=feats)
+    vz = REGISTRY["visionzip"].compress(with_keys, 2).assignment
     assert sorted(set(vz.tolist()) - {-1}) == [2, 7]
     assert (vz[[0, 1, 3, 4, 5, 6]] == -1).all()
 

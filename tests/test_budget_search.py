@@ -137,10 +137,10 @@ def test_compressor_floor_is_one_token_per_pair():
     with pytest.raises(ValueError, match=r"keep=2 tokens is outside \[3 pairs, 12 tokens\]"):
         per_pair_budget([4, 4, 4], 2)
     tokens = VisualTokens(features=torch.randn(12, 3), pair_sizes=[4, 4, 4], grids=[(1, 2, 2)] * 3)
-    kept = random_drop.compress(tokens, 3) != DROPPED
+    kept = random_drop.compress(tokens, 3).assignment != DROPPED
     assert [int(kept[i : i + 4].sum()) for i in (0, 4, 8)] == [1, 1, 1]
     with pytest.raises(ValueError, match="keep=2"):
-        random_drop.compress(tokens, 2)
+        random_drop.compress(tokens, 2).assignment
 
 
 def test_budget_spec_rejects_an_unbounded_range():

@@ -52,20 +52,20 @@ def test_hand_worked_selection_with_the_one_per_pair_rule():
     # 4th: plain greedy would take t2 (21 deg, 17 from t4), but pair 2 has no token and one pick is
     #      left, so the pick is pair 2's best: t8 3, t9 8, t10 3, t11 14 deg from {t6, t4, t3} -> t11.
     assert reference_greedy(TOKENS.features, 4) == [6, 4, 3, 2]
-    assert kept(compress(TOKENS, 4)) == [3, 4, 6, 11]
+    assert kept(compress(TOKENS, 4).assignment) == [3, 4, 6, 11]
 
 
 def test_matches_the_reference_rule_when_every_pair_is_covered():
     # keep = 6: t6, t4, t3, t2, then t7 (99 deg, 9 from t3) and t9 (12 deg, 8 from t4 / t2): all pairs covered.
     assert reference_greedy(TOKENS.features, 6) == [6, 4, 3, 2, 7, 9]
-    assert kept(compress(TOKENS, 6)) == [2, 3, 4, 6, 7, 9]
+    assert kept(compress(TOKENS, 6).assignment) == [2, 3, 4, 6, 7, 9]
     generator = torch.Generator().manual_seed(0)
     features = torch.randn(18, 8, generator=generator)
     tokens = VisualTokens(features=features, pair_sizes=[6, 6, 6], grids=[(1, 2, 3)] * 3)
     for keep in (6, 9, 12):
         expected = reference_greedy(features, keep)
         assert {i // 6 for i in expected} == {0, 1, 2}  # the plain rule covers every pair here
-        assert kept(compress(tokens, keep)) == sorted(expected)
+        assert kept(compress(tokens, keep).assignment) == sorted(expected)
 
 
 def test_budget_pairs_and_identity():
@@ -76,12 +76,12 @@ def test_budget_pairs_and_identity():
             features=torch.randn(n, 5, generator=generator), pair_sizes=sizes, grids=[(1, 1, 1)] * len(sizes)
         )
         for keep in range(len(sizes), n + 1):
-            assignment = compress(tokens, keep)
+            assignment = compress(tokens, keep).assignment
             chosen = kept(assignment)
             assert len(chosen) == keep
             assert all(assignment[i] == i for i in chosen)  # pruning only: kept tokens point at themselves
             assert ((assignment == DROPPED) | (assignment == torch.arange(n))).all()
             starts = [sum(sizes[:p]) for p in range(len(sizes))]
             assert all(any(s <= i < s + size for i in chosen) for s, size in zip(starts, sizes))
-            assert torch.equal(assignment, compress(tokens, keep))  # deterministic
-        assert torch.equal(compress(tokens, n), torch.arange(n))
+            assert torch.equal(assignment, compress(tokens, keep).assignment)  # deterministic
+        assert torch.equal(compress(tokens, n).assignment, torch.arange(n))

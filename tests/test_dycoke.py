@@ -70,22 +70,22 @@ def test_hand_made_video_matches_the_paper_rule():
     tokens = video(ANGLES)
     for per_frame in (1, 2, 3):
         keep = 8 + 3 * per_frame  # both references whole, the same rate for the three compared pairs
-        assignment = compress(tokens, keep)
+        assignment = compress(tokens, keep).assignment
         check_budget(tokens, assignment, keep)
         assert kept_set(assignment) == paper_ttm(ANGLES, per_frame)
     # worked by hand for two tokens per compared pair: pair 1 keeps positions 3, 1 (differences 50, 30), pair 2
     # keeps 2, 3 (45, 25), pair 3 keeps 0, 2 (35, 20)
-    assert kept_set(compress(tokens, 14)) == {0, 1, 2, 3, 4 + 3, 4 + 1, 8 + 2, 8 + 3, 12 + 0, 12 + 2, 16, 17, 18, 19}
+    assert kept_set(compress(tokens, 14).assignment) == {0, 1, 2, 3, 4 + 3, 4 + 1, 8 + 2, 8 + 3, 12 + 0, 12 + 2, 16, 17, 18, 19}
 
 
 def test_below_ttm_reach_it_recurses_over_reference_pairs():
     tokens = video(ANGLES)
     # keep 9 < 8 reference tokens + 3: pairs 1, 2, 3 keep their least similar token (positions 3, 2, 0); TTM over
     # the references [0, 4] with 6 left: pair 4 vs pair 0 keeps 2 (positions 0 and 3: differences 200, 50)
-    assert kept_set(compress(tokens, 9)) == {0, 1, 2, 3, 7, 10, 12, 16, 19}
+    assert kept_set(compress(tokens, 9).assignment) == {0, 1, 2, 3, 7, 10, 12, 16, 19}
     # keep 7: pairs 1-3 and pair 4 keep one each; pair 0, alone with 3, keeps the three tokens least similar to
     # pair 1 (positions 3, 1, 2: differences 50, 30, 10)
-    assert kept_set(compress(tokens, 7)) == {1, 2, 3, 7, 10, 12, 16}
+    assert kept_set(compress(tokens, 7).assignment) == {1, 2, 3, 7, 10, 12, 16}
 
 
 def test_different_grids_compare_with_the_most_similar_token():
@@ -95,7 +95,7 @@ def test_different_grids_compare_with_the_most_similar_token():
     # 3 tokens for the compared pairs 1 (6 tokens) and 2 (4 tokens): 2 and 1. Pair 1 (other grid) vs pair 0 by best
     # match: differences 0, 1, 20, 60, 1, 17 -> keeps positions 3, 2; pair 2 (same grid as pair 0) by position:
     # differences 1, 2, 2, 5 -> keeps position 3
-    assignment = compress(tokens, 4 + 2 + 1)
+    assignment = compress(tokens, 4 + 2 + 1).assignment
     check_budget(tokens, assignment, 7)
     assert kept_set(assignment) == {0, 1, 2, 3, 4 + 3, 4 + 2, 10 + 3}
 
@@ -109,7 +109,7 @@ def test_budgets_identity_and_determinism():
         feats = torch.cat([base[:s] + 0.5 * torch.randn(s, 16, generator=g) for s in sizes])
         tokens = VisualTokens(features=feats, pair_sizes=sizes, grids=grids)
         for keep in sorted({len(sizes), len(sizes) + 1, n - 1, n} | set(range(len(sizes), n, 3))):
-            assignment = compress(tokens, keep)
+            assignment = compress(tokens, keep).assignment
             check_budget(tokens, assignment, keep)
-            assert torch.equal(assignment, compress(tokens, keep, seed=1))
-        assert torch.equal(compress(tokens, n), torch.arange(n))
+            assert torch.equal(assignment, compress(tokens, keep, seed=1).assignment)
+        assert torch.equal(compress(tokens, n).assignment, torch.arange(n))

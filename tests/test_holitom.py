@@ -87,7 +87,7 @@ def test_fixed_video_keep_8():
     expected += [0, 0, 0, DROPPED, 10, DROPPED]
     expected += [0, 0, 0, DROPPED, DROPPED, 17]
     expected += [18, 19, 20, DROPPED, DROPPED, DROPPED]
-    assert holitom.compress(video(), 8).tolist() == expected
+    assert holitom.compress(video(), 8).assignment.tolist() == expected
 
 
 def test_fixed_video_keep_20_releases_the_weakest_chain():
@@ -97,7 +97,7 @@ def test_fixed_video_keep_20_releases_the_weakest_chain():
     expected = list(range(24))
     expected[6] = expected[12] = 0
     expected[7] = expected[13] = 1
-    assert holitom.compress(video(), 20).tolist() == expected
+    assert holitom.compress(video(), 20).assignment.tolist() == expected
 
 
 def test_fully_static_window_keeps_a_token_per_pair():
@@ -105,8 +105,8 @@ def test_fully_static_window_keeps_a_token_per_pair():
     # the weaker chain (a tie at 1.0: the lower index, 0/2) returns to the dynamic set. keep = 2: dynamic
     # sets {0}, {2} and the static chain 1/3 get quotas 2/3 each -> floors 1, 1, 0: the chain is dropped.
     tokens = VisualTokens(torch.tensor([[1.0, 0], [0, 1.0]] * 2), [2, 2], [(1, 1, 2)] * 2, torch.tensor([0.5] * 4))
-    assert holitom.compress(tokens, 2).tolist() == [0, DROPPED, 2, DROPPED]
-    assert holitom.compress(tokens, 3).tolist() == [0, 1, 2, 1]
+    assert holitom.compress(tokens, 2).assignment.tolist() == [0, DROPPED, 2, DROPPED]
+    assert holitom.compress(tokens, 3).assignment.tolist() == [0, 1, 2, 1]
 
 
 def test_unequal_grids_follow_the_most_similar_token():
@@ -117,7 +117,7 @@ def test_unequal_grids_follow_the_most_similar_token():
     # takes both chains: 0, 2, 3, 4 -> 0.
     feats = torch.tensor([[1.0, 0, 0], [0, 1.0, 0], [0, 0.9, 0.436], [0, 0.95, 0.312], [1.0, 0, 0], [0, 0, 1.0]])
     tokens = VisualTokens(feats, [3, 3], [(1, 1, 3), (1, 3, 1)], torch.tensor([0.1, 0.2, 0.3, 0.4, 0.5, 0.6]))
-    assert holitom.compress(tokens, 3).tolist() == [0, 1, 0, 0, 0, 5]
+    assert holitom.compress(tokens, 3).assignment.tolist() == [0, 1, 0, 0, 0, 5]
 
 
 def random_video(sizes, grids, seed=0):
@@ -139,14 +139,14 @@ def test_budget_exact_one_per_pair_identity(sizes, grids):
     tokens = video() if sizes == [6] * 4 else random_video(sizes, grids)
     total = sum(sizes)
     for keep in sorted({len(sizes), len(sizes) + 1, total // 4, total // 2, total - 1, total}):
-        out = holitom.compress(tokens, keep)
+        out = holitom.compress(tokens, keep).assignment
         destinations = out[out != DROPPED].unique()
         assert len(destinations) == keep
         assert torch.equal(out[destinations], destinations)
         starts = tokens.pair_starts
         for s, n in zip(starts, sizes):
             assert ((destinations >= s) & (destinations < s + n)).any()
-        assert torch.equal(out, holitom.compress(tokens, keep))
-    assert torch.equal(holitom.compress(tokens, total), torch.arange(total))
+        assert torch.equal(out, holitom.compress(tokens, keep).assignment)
+    assert torch.equal(holitom.compress(tokens, total).assignment, torch.arange(total))
     with pytest.raises(ValueError):
-        holitom.compress(VisualTokens(tokens.features, sizes, grids), len(sizes))
+        holitom.compress(VisualTokens(tokens.features, sizes, grids), len(sizes)).assignment

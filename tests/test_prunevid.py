@@ -139,7 +139,7 @@ def test_hand_made_video_matches_the_paper_rule():
     # Static candidates, most similar first: (A, 0), (A, 1), (B, 0), (B, 1); each merge of 4 tokens removes 3.
     # 29, 26, 20: stop after 1, 2 or 4 merges; 23: 3 merges, the last one skipped; no clustering is left to do.
     for keep in (32, 29, 26, 23, 20):
-        assignment = compress(tokens, keep)
+        assignment = compress(tokens, keep).assignment
         check_budget(tokens, assignment, keep)
         assert assignment.tolist() == paper_static_merging(frames, segments, keep)
     # keep 18: all 4 merges (20 tokens), then DPC-KNN: 10 groups of 2 tokens (static A, pairs 0-3, static B, pairs
@@ -147,9 +147,9 @@ def test_hand_made_video_matches_the_paper_rule():
     # Two tokens have equal density and score, so the lower index is the centre: 27 -> 26, 31 -> 30.
     expected = paper_static_merging(frames, segments, 20)
     expected[27], expected[31] = 26, 30
-    assert compress(tokens, 18).tolist() == expected
+    assert compress(tokens, 18).assignment.tolist() == expected
     # keep 8: no static group fits (the 8 pair groups already use the budget); each pair is one cluster
-    assignment = compress(tokens, 8)
+    assignment = compress(tokens, 8).assignment
     check_budget(tokens, assignment, 8)
     assert [len(set(assignment[4 * p : 4 * p + 4].tolist())) for p in range(8)] == [1] * 8
 
@@ -163,7 +163,7 @@ def test_different_grids_split_segments():
     tokens = VisualTokens(features=feats, pair_sizes=sizes, grids=grids)
     assert temporal_segments(tokens) == [[0, 1, 2], [3, 4, 5]]  # one DPC-KNN cluster, split at the grid change
     # nearly identical pairs: every position is static, but one position per segment stays dynamic
-    assignment = compress(tokens, 30 - 2 * 3 - 2 * 5)
+    assignment = compress(tokens, 30 - 2 * 3 - 2 * 5).assignment
     check_budget(tokens, assignment, 14)
     kept = assignment == torch.arange(30)
     assert [int(kept[s : s + n].sum()) for s, n in zip(tokens.pair_starts, sizes)] == [4, 1, 1, 6, 1, 1]
@@ -179,7 +179,7 @@ def test_budgets_identity_and_determinism():
         feats = torch.cat([base[:s] + 0.1 * (1 + p) * torch.randn(s, 16, generator=g) for p, s in enumerate(sizes)])
         tokens = VisualTokens(features=feats, pair_sizes=sizes, grids=grids)
         for keep in sorted({len(sizes), len(sizes) + 1, n - 1, n} | set(range(len(sizes), n, 3))):
-            assignment = compress(tokens, keep)
+            assignment = compress(tokens, keep).assignment
             check_budget(tokens, assignment, keep)
-            assert torch.equal(assignment, compress(tokens, keep, seed=1))
-        assert torch.equal(compress(tokens, n), torch.arange(n))
+            assert torch.equal(assignment, compress(tokens, keep, seed=1).assignment)
+        assert torch.equal(compress(tokens, n).assignment, torch.arange(n))

@@ -65,7 +65,7 @@ def test_matches_the_reference_rule_on_a_fixed_input():
     # others' R (1 - 1/3) -> 2 of 6: 5 + 2 + 2 = 9 = keep, the reference's rounding gives the same total.
     expected = reference_vidcom2(features, 6, 0.5)
     assert [sum(1 for i in expected if i // 6 == p) for p in range(3)] == [5, 2, 2]
-    assert kept(compress(tokens, 9)) == expected
+    assert kept(compress(tokens, 9).assignment) == expected
     # The same ranking read off the scored tokens (summed similarity, lowest kept): pair 0 drops t2
     # (115 deg, the highest); pair 1 keeps t11 (-40 deg) and t8 (-15 deg); pair 2 t16 (-20) and t14 (60).
     assert expected == [0, 1, 3, 4, 5, 8, 11, 14, 16]
@@ -96,11 +96,11 @@ def test_budget_pairs_and_identity():
             features=torch.randn(n, 6, generator=generator), pair_sizes=sizes, grids=[(1, 1, 1)] * len(sizes)
         )
         for keep in range(len(sizes), n + 1):
-            assignment = compress(tokens, keep)
+            assignment = compress(tokens, keep).assignment
             chosen = kept(assignment)
             assert len(chosen) == keep
             assert ((assignment == DROPPED) | (assignment == torch.arange(n))).all()
             starts = [sum(sizes[:p]) for p in range(len(sizes))]
             assert all(any(s <= i < s + size for i in chosen) for s, size in zip(starts, sizes))
-            assert torch.equal(assignment, compress(tokens, keep))  # deterministic
-        assert torch.equal(compress(tokens, n), torch.arange(n))
+            assert torch.equal(assignment, compress(tokens, keep).assignment)  # deterministic
+        assert torch.equal(compress(tokens, n).assignment, torch.arange(n))

@@ -26,7 +26,7 @@ from ..profile.clock import FirstLogits, ModuleTimer, Stopwatch, peak_memory_mb,
 from ..video import DecodedVideo
 from .layout import IMAGE_PAD, VIDEO_TOKEN_TYPE, EngineOutput, Qwen3VLLayout, Qwen25VLLayout, QwenLayout
 from .mrope import VisionRun, qwen25_mrope_positions
-from .vision_attention import last_block_input, received_attention
+from .vision_attention import last_block_input, received_attention_and_keys
 
 
 @dataclass(frozen=True)
@@ -145,14 +145,18 @@ class QwenVideoAdapter:
         sequence order; None when the orders agree."""
         return None
 
-    def received_attention(self, captured: dict, grid_thw: torch.Tensor) -> torch.Tensor:
-        """(N,) attention each merged token's patches receive in the last ViT block (see
-        `vision_attention.py`), in LLM order."""
-        per_unit = received_attention(
+    def last_block_scores(self, captured: dict, grid_thw: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(N,) attention each merged token's patches receive in the last ViT block and (N, head_dim)
+        their keys before rotary (see `vision_attention.py`), in LLM order."""
+        received, keys = received_attention_and_keys(
             captured, self.vision_rotary, self.model.config.vision_config.spatial_merge_size**2
         )
         order = self.unit_order(grid_thw)
-        return per_unit if order is None else per_unit[order]
+        return (received, keys) if order is None else (received[order], keys[order])
+
+    def received_attention(self, captured: dict, grid_thw: torch.Tensor) -> torch.Tensor:
+        """The (N,) received attention of `last_block_scores`."""
+        return self.last_block_scores(captured, grid_thw)[0]
 
     @torch.inference_mode()
     def build_compressed_inputs(
@@ -178,18 +182,14 @@ class QwenVideoAdapter:
                 full["pixel_values_videos"], full["video_grid_thw"], return_dict=True
             )
         features = torch.cat(encoded.pooler_output)
+        received, keys = self.last_block_scores(captured, full["video_grid_thw"]) if needs_attention else (None, None)
         tokens = VisualTokens(
-            features=features,
-            pair_sizes=plan.pair_tokens,
-            grids=plan.grids,
-            received_attention=self.received_attention(captured, full["video_grid_thw"]) if needs_attention else None,
+            features=features, pair_sizes=plan.pair_tokens, grids=plan.grids, received_attention=received, keys=keys
         )
-        assignment = compress(tokens, kept_count(retention, features.shape[0], len(plan.grids)), seed).to(
-            features.device
-        )
+        compression = compress(tokens, kept_count(retention, features.shape[0], len(plan.grids)), seed)
         deepstack = getattr(encoded, "deepstack_features", None)
         extra = [torch.cat(layer) for layer in deepstack] if deepstack is not None else []
-        kept, sizes, (merged, *merged_deepstack) = merge_groups(assignment, features, *extra)
+        kept, sizes, (merged, *merged_deepstack) = merge_groups(compression, features, *extra)
         video_at = torch.nonzero(full["mm_token_type_ids"][0] == VIDEO_TOKEN_TYPE).flatten()
         keep_seq = torch.ones(full["input_ids"].shape[1], dtype=torch.bool, device=video_at.device)
         keep_seq[video_at] = False

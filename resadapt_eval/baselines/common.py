@@ -1,10 +1,13 @@
 """What every token compressor sees and returns.
 
 A compressor acts on the merged visual tokens (after the vision merger, before the LLM) of one
-video and returns an *assignment*: for each of the N tokens, the index of the token it is kept
-as or merged into. Kept tokens point at themselves; a group's features are the mean of its
-members (size-weighted, so repeated merging stays exact) and it sits at its destination's
-M-RoPE position. A dropped token has assignment -1.
+video and returns a `Compression`: an *assignment* (for each of the N tokens, the index of the
+token it is kept as or merged into; kept tokens point at themselves, a dropped token has -1) and,
+optionally, a *weight* per token. A group sits at its destination's M-RoPE position and its
+feature is the weighted sum of its members' features (weights None: the plain mean of the
+members, so repeated size-weighted merging stays exact). Weights let a method state its own merge
+rule without the shared code knowing it: VisionZip's target + mean of the merged tokens,
+FlashVID's mean of tree means. Deepstack features (Qwen3-VL) are merged with the same weights.
 """
 
 from __future__ import annotations
@@ -23,12 +26,15 @@ DROPPED = -1  # assignment value of a token that is removed outright
 class VisualTokens:
     """features: (N, D) merged tokens in LLM order; pair_sizes: tokens per frame pair (sum N);
     grids: (t, h, w) merged grid per pair; received_attention: (N,) attention each token's
-    4 patches received in the last ViT block (mean over heads and queries), when computed."""
+    4 patches received in the last ViT block (mean over heads and queries), when computed;
+    keys: (N, head_dim) the last ViT block's attention keys before rotary (mean over heads and the
+    4 patches), computed with received_attention."""
 
     features: torch.Tensor
     pair_sizes: list[int]
     grids: list[tuple[int, int, int]]
     received_attention: torch.Tensor | None = None
+    keys: torch.Tensor | None = None
 
     @property
     def pair_starts(self) -> list[int]:
@@ -37,6 +43,20 @@ class VisualTokens:
             starts.append(total)
             total += size
         return starts
+
+
+@dataclass(frozen=True)
+class Compression:
+    """assignment: (N,) long, a token's group destination or DROPPED; weights: (N,) float, each
+    token's weight in its group's feature (ignored for dropped tokens), or None for the mean."""
+
+    assignment: torch.Tensor
+    weights: torch.Tensor | None = None
+
+    @property
+    def kept(self) -> torch.Tensor:
+        """Sorted indices of the tokens that stay (the group destinations)."""
+        return torch.unique(self.assignment[self.assignment != DROPPED])
 
 
 def kept_count(retention: float, num_tokens: int, num_pairs: int) -> int:
@@ -78,17 +98,25 @@ def per_pair_budget(pair_sizes: list[int], keep: int) -> list[int]:
 
 
 def merge_groups(
-    assignment: torch.Tensor, *features: torch.Tensor
+    compression: Compression, *features: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
     """Destinations (sorted kept token indices), group sizes, and each feature tensor (N, D)
-    reduced to the mean over each group's members, (K, D)."""
+    reduced to its groups' features (K, D): the weighted sum of the members, or their mean when
+    `compression.weights` is None. Sums run in float32 (float64 inputs stay float64)."""
+    assignment = compression.assignment.to(features[0].device)
     members = assignment != DROPPED
     destinations, inverse, sizes = torch.unique(assignment[members], return_inverse=True, return_counts=True)
     merged = []
     for f in features:
-        sums = torch.zeros(len(destinations), f.shape[1], dtype=torch.float32, device=f.device)
-        sums.index_add_(0, inverse, f[members].float())
-        merged.append((sums / sizes[:, None]).to(f.dtype))
+        dtype = torch.promote_types(f.dtype, torch.float32)
+        sums = torch.zeros(len(destinations), f.shape[1], dtype=dtype, device=f.device)
+        if compression.weights is None:
+            sums.index_add_(0, inverse, f[members].to(dtype))
+            sums /= sizes[:, None]
+        else:
+            weights = compression.weights.to(device=f.device, dtype=dtype)[members]
+            sums.index_add_(0, inverse, f[members].to(dtype) * weights[:, None])
+        merged.append(sums.to(f.dtype))
     return destinations, sizes, merged
 
 

@@ -28,7 +28,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .common import DROPPED, VisualTokens, check_keep
+from .common import DROPPED, Compression, VisualTokens, check_keep
 
 ROW_CHUNK = 4096  # rows of the distance matrix held at once for the first pick
 
@@ -74,15 +74,15 @@ def max_min_greedy(feats: torch.Tensor, pair_of: torch.Tensor, keep: int) -> lis
     return chosen
 
 
-def compress(tokens: VisualTokens, keep: int, seed: int = 0) -> torch.Tensor:
+def compress(tokens: VisualTokens, keep: int, seed: int = 0) -> Compression:
     """Assignment (N,): the greedy max-min diversity subset keeps itself, every other token is dropped."""
     check_keep(tokens.pair_sizes, keep)
     n = tokens.features.shape[0]
     if keep == n:
-        return torch.arange(n)
+        return Compression(torch.arange(n))
     feats = F.normalize(tokens.features.float(), dim=-1)
     pair_of = torch.repeat_interleave(torch.arange(len(tokens.pair_sizes)), torch.tensor(tokens.pair_sizes))
     chosen = torch.tensor(max_min_greedy(feats, pair_of.to(feats.device), keep), dtype=torch.long)
     assignment = torch.full((n,), DROPPED, dtype=torch.long)
     assignment[chosen] = chosen
-    return assignment
+    return Compression(assignment)

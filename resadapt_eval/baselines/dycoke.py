@@ -48,7 +48,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .common import DROPPED, VisualTokens, check_keep, per_pair_budget
+from .common import DROPPED, Compression, VisualTokens, check_keep, per_pair_budget
 from .decode_pruning import DecodeStage
 from .inside_llm import scaled_layer
 
@@ -94,7 +94,7 @@ def root_similarity(tokens: VisualTokens, feats: torch.Tensor) -> torch.Tensor:
     return first @ F.normalize(first.mean(dim=0), dim=-1)
 
 
-def compress(tokens: VisualTokens, keep: int, seed: int = 0) -> torch.Tensor:
+def compress(tokens: VisualTokens, keep: int, seed: int = 0) -> Compression:
     check_keep(tokens.pair_sizes, keep)
     feats = F.normalize(tokens.features.float(), dim=-1)
     starts, sizes = tokens.pair_starts, tokens.pair_sizes
@@ -125,7 +125,7 @@ def compress(tokens: VisualTokens, keep: int, seed: int = 0) -> torch.Tensor:
                 keep_tokens(frame)
             break
         level, budget = references, budget - len(compared)
-    return torch.where(kept, torch.arange(feats.shape[0]), torch.full_like(kept, DROPPED, dtype=torch.long))
+    return Compression(torch.where(kept, torch.arange(feats.shape[0]), torch.full_like(kept, DROPPED, dtype=torch.long)))
 
 
 def decode_stage(num_layers: int, visual: int, retention: float, first_layer: int = 0) -> DecodeStage:

@@ -60,7 +60,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from .common import DROPPED, VisualTokens, density_peaks, per_pair_budget, top
+from .common import DROPPED, Compression, VisualTokens, density_peaks, per_pair_budget, top
 
 DYSEG_C = 8  # at least c segments (the c - 1 lowest transitions are cuts)
 DYSEG_TAU = 0.84  # and a cut wherever adjacent frames' cosine is below tau (Qwen2.5-VL setting)
@@ -119,7 +119,7 @@ def stprune_budget(sizes: list[int], budget: list[int]) -> tuple[list[int], list
     return [s + e for s, e in zip(salient, extra)], anchors
 
 
-def compress(tokens: VisualTokens, keep: int, seed: int = 0) -> torch.Tensor:
+def compress(tokens: VisualTokens, keep: int, seed: int = 0) -> Compression:
     if tokens.received_attention is None:
         raise ValueError("fastvid needs the attention received in the last ViT block")
     starts, sizes = tokens.pair_starts, tokens.pair_sizes
@@ -145,4 +145,4 @@ def compress(tokens: VisualTokens, keep: int, seed: int = 0) -> torch.Tensor:
             rest, anchors = torch.cat(rest), torch.cat(anchors)
             assignment[rest] = anchors[(unit[rest] @ unit[anchors].T).argmax(dim=1)]
             assignment[anchors] = anchors
-    return assignment
+    return Compression(assignment)

@@ -68,7 +68,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from .common import DROPPED, VisualTokens, check_keep, density_peaks, top
+from .common import DROPPED, Compression, VisualTokens, check_keep, density_peaks, top
 from .inside_llm import Stage, check_layers, scaled_layer
 
 TAU = 0.8  # a position is static across a step when its tokens' cosine exceeds tau
@@ -233,7 +233,7 @@ def merge_static(window: Window, feats: torch.Tensor, count: int, assignment: to
     assignment[window.chains] = window.chains[nearest, :1]
 
 
-def compress(tokens: VisualTokens, keep: int, seed: int = 0) -> torch.Tensor:
+def compress(tokens: VisualTokens, keep: int, seed: int = 0) -> Compression:
     if tokens.received_attention is None:
         raise ValueError("holitom needs the attention received in the last ViT block")
     check_keep(tokens.pair_sizes, keep)
@@ -265,7 +265,7 @@ def compress(tokens: VisualTokens, keep: int, seed: int = 0) -> torch.Tensor:
     for w, count in zip(windows, share[len(dynamic) :]):
         if len(w.strength):
             merge_static(w, feats, count, assignment)
-    return assignment
+    return Compression(assignment)
 
 
 def stages(

@@ -63,7 +63,7 @@ from dataclasses import replace
 import torch
 import torch.nn.functional as F
 
-from .common import VisualTokens, check_keep, density_peaks, per_pair_budget
+from .common import Compression, VisualTokens, check_keep, density_peaks, per_pair_budget
 from .inside_llm import TEXT_AFTER_VISUAL, Stage, check_layers, scaled_layer
 
 TAU = 0.8  # static threshold on a position's mean pairwise cosine across a segment's frames
@@ -169,7 +169,7 @@ def static_positions(tokens: VisualTokens, segments: list[list[int]], keep: int)
     return static
 
 
-def compress(tokens: VisualTokens, keep: int, seed: int = 0) -> torch.Tensor:
+def compress(tokens: VisualTokens, keep: int, seed: int = 0) -> Compression:
     check_keep(tokens.pair_sizes, keep)
     tokens = replace(tokens, features=tokens.features.float())
     starts, sizes = tokens.pair_starts, tokens.pair_sizes
@@ -192,7 +192,7 @@ def compress(tokens: VisualTokens, keep: int, seed: int = 0) -> torch.Tensor:
         owner = torch.arange(len(destination)) if k == len(destination) else dpc_knn(feats, k)
         for item, centre in enumerate(owner.tolist()):
             assignment[members[item]] = destination[centre]
-    return assignment
+    return Compression(assignment)
 
 
 def stages(

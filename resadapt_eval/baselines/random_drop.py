@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import torch
 
-from .common import DROPPED, VisualTokens, check_keep
+from .common import DROPPED, Compression, VisualTokens, check_keep
 
 
-def compress(tokens: VisualTokens, keep: int, seed: int = 0) -> torch.Tensor:
+def compress(tokens: VisualTokens, keep: int, seed: int = 0) -> Compression:
     """One random token per pair first (every pair keeps at least one), the rest uniformly."""
     check_keep(tokens.pair_sizes, keep)
     n = tokens.features.shape[0]
@@ -23,4 +23,4 @@ def compress(tokens: VisualTokens, keep: int, seed: int = 0) -> torch.Tensor:
     assignment = torch.full((n,), DROPPED, dtype=torch.long)
     kept = torch.cat([torch.tensor(chosen, dtype=torch.long), extra])
     assignment[kept] = kept
-    return assignment
+    return Compression(assignment)

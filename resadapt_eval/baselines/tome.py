@@ -1,11 +1,37 @@
-"""ToMe (Bolya et al. 2023): bipartite soft matching, here on the merged visual tokens of each
-frame pair, repeated until the pair's share of the budget is reached.
+"""ToMe (Bolya et al., ICLR 2023): bipartite soft matching with size-weighted merging, applied to
+the merged visual tokens of each frame pair until the pair's share of the budget is reached.
 
-Similarity: cosine between the current (size-weighted mean) features of the tokens; Qwen exposes
-no attention keys after the merger, so the features play the role of ToMe's keys. One round:
-alternate tokens form sets A and B; every A token finds its most similar B token; the r most
-similar edges merge A into B (r = min(|A|, tokens over budget)). A merged token takes its B
-destination's position and the size-weighted mean of its members.
+Reference: facebookresearch/ToMe@af95e4b, `tome/merge.py` (`bipartite_soft_matching`, lines
+18-97; `merge_wavg`, lines 210-224) as `tome/patch/timm.py` (`ToMeBlock.forward`, lines 34-56)
+runs them. One round on a sequence of t tokens, exactly as the reference:
+
+- r = min(tokens still over the pair's budget, t // 2) (the reference's `r = min(r, (t -
+  protected) // 2)`; Qwen has no [CLS] or distillation token, so nothing is protected);
+- cosine scores between A = the tokens at even places and B = those at odd places; each A token's
+  best B (`max`, ties to the first B); A tokens ordered by that best score, descending; the first r
+  merge into their best B, the others stay;
+- the features: size-weighted average (`merge_wavg`: sums of feature * size over sizes);
+- the next sequence is [A tokens that stay, in that score order; all B tokens, in order], and the
+  next round splits it into A and B again.
+
+Deviations, and why:
+
+- Where: once, after the merger, on each frame pair's tokens (a pair plays the role of an image;
+  pairs never merge with each other), not between the attention and the MLP of every ViT block.
+  Each pair keeps its share of floor(R N) (`per_pair_budget`: largest remainder), so rounds are
+  repeated on the same tokens, each merging as many as allowed (r above), instead of a fixed r per
+  layer.
+- Metric: the current tokens' size-weighted mean features (exactly the reference's merged `x`),
+  for the reference's keys (mean of k over heads) of the next block: Qwen exposes no keys after the
+  merger. A zero feature has similarity 0 (`F.normalize`) where the reference divides by zero.
+- Ties between best scores go to the earlier A token (stable sort); the reference's
+  `argsort(descending=True)` leaves their order unspecified.
+
+Output: a group's feature is the plain mean of its original members (sizes start at 1, so the
+repeated size-weighted averages are exactly that mean: `Compression.weights` None). Its
+destination, hence its M-RoPE position, is the original index of the member that was never merged
+away (the reference keeps the B token's slot). The LLM sequence is the destinations in original
+order: the reorder only shapes the next round's A/B split.
 """
 
 from __future__ import annotations
@@ -13,37 +39,43 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .common import VisualTokens, per_pair_budget
+from .common import Compression, VisualTokens, per_pair_budget
 
 
 def merge_pair(features: torch.Tensor, target: int) -> torch.Tensor:
-    """Group index (into 0..n-1, a destination's own index) for each of a pair's n tokens."""
+    """Group destination (an index into 0..n-1) for each of a pair's n tokens, `target` groups."""
     n = features.shape[0]
-    owner = torch.arange(n)  # owner[i]: the token i is currently merged into
-    alive = list(range(n))
-    sums, sizes = features.float().clone(), torch.ones(n)
-    while len(alive) > target:
-        a_set, b_set = alive[0::2], alive[1::2]
-        if not b_set:
-            break
-        means = sums / sizes[:, None]
-        sim = F.normalize(means[a_set], dim=-1) @ F.normalize(means[b_set], dim=-1).T
-        best, best_b = sim.max(dim=1)
-        r = min(len(a_set), len(alive) - target)
-        merged_a = torch.argsort(best, descending=True)[:r]
-        for ai in merged_a.tolist():
-            a, b = a_set[ai], b_set[int(best_b[ai])]
-            sums[b] += sums[a]
-            sizes[b] += sizes[a]
-            owner[owner == a] = b
-        gone = {a_set[i] for i in merged_a.tolist()}
-        alive = [t for t in alive if t not in gone]
+    dtype = torch.promote_types(features.dtype, torch.float32)
+    sums = features.to(dtype)  # per current token: sum of its members' features (= x * size)
+    sizes = torch.ones(n, dtype=dtype, device=features.device)
+    slot = torch.arange(n, device=features.device)  # per current token: its original index
+    owner = torch.arange(n, device=features.device)  # per original token: its group's slot
+    while len(slot) > target:
+        t = len(slot)
+        r = min(t - target, t // 2)
+        metric = F.normalize(sums / sizes[:, None], dim=-1)
+        scores = metric[0::2] @ metric[1::2].T
+        node_max, node_idx = scores.max(dim=-1)
+        edge_idx = torch.sort(node_max, descending=True, stable=True).indices
+        unm_idx, src_idx = edge_idx[r:], edge_idx[:r]
+        dst_idx = node_idx[src_idx]
+        sums_a, sums_b = sums[0::2], sums[1::2].clone()
+        sizes_a, sizes_b = sizes[0::2], sizes[1::2].clone()
+        slot_a, slot_b = slot[0::2], slot[1::2]
+        sums_b.index_add_(0, dst_idx, sums_a[src_idx])
+        sizes_b.index_add_(0, dst_idx, sizes_a[src_idx])
+        remap = torch.arange(n, device=features.device)
+        remap[slot_a[src_idx]] = slot_b[dst_idx]
+        owner = remap[owner]
+        sums = torch.cat([sums_a[unm_idx], sums_b])
+        sizes = torch.cat([sizes_a[unm_idx], sizes_b])
+        slot = torch.cat([slot_a[unm_idx], slot_b])
     return owner
 
 
-def compress(tokens: VisualTokens, keep: int, seed: int = 0) -> torch.Tensor:
+def compress(tokens: VisualTokens, keep: int, seed: int = 0) -> Compression:
     budget = per_pair_budget(tokens.pair_sizes, keep)
     parts = []
     for start, size, target in zip(tokens.pair_starts, tokens.pair_sizes, budget):
-        parts.append(merge_pair(tokens.features[start : start + size], target) + start)
-    return torch.cat(parts)
+        parts.append(merge_pair(tokens.features[start : start + size], target).cpu() + start)
+    return Compression(torch.cat(parts))

@@ -33,7 +33,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .common import DROPPED, VisualTokens, check_keep
+from .common import DROPPED, Compression, VisualTokens, check_keep
 
 CHANNEL_FRACTION = 0.5  # share of channels kept for scoring: those of lowest variance
 KERNEL_WIDTHS = (1 / 8, 1 / 4, 1 / 2, 1.0, 2.0)  # Gaussian kernel scales a
@@ -105,12 +105,12 @@ def unique_tokens(score: torch.Tensor, k: int) -> torch.Tensor:
     return torch.sort(score, stable=True).indices[:k]
 
 
-def compress(tokens: VisualTokens, keep: int, seed: int = 0) -> torch.Tensor:
+def compress(tokens: VisualTokens, keep: int, seed: int = 0) -> Compression:
     """Assignment (N,): each pair's most unique tokens keep themselves, the rest are dropped."""
     check_keep(tokens.pair_sizes, keep)
     n = tokens.features.shape[0]
     if keep == n:
-        return torch.arange(n)
+        return Compression(torch.arange(n))
     starts, sizes = tokens.pair_starts, tokens.pair_sizes
     feats = F.normalize(low_variance_channels(tokens.features.float()), dim=-1)
     to_video, to_frame = similarities(feats, starts, sizes)
@@ -120,4 +120,4 @@ def compress(tokens: VisualTokens, keep: int, seed: int = 0) -> torch.Tensor:
     for s, size, k in zip(starts, sizes, budget):
         kept = s + unique_tokens(score[s : s + size], k)
         assignment[kept] = kept
-    return assignment
+    return Compression(assignment)

@@ -23,7 +23,8 @@ What runs per sample (Qwen2.5-VL / Qwen3-VL as in transformers):
   2 * P * 3 D^2 and QK^T 2 * D * sum(L_s^2)), and the compressor's similarities. In a run the
   compressor's work is counted while it runs (`counting.CountedCall`: FlashVid's depends on its
   segments and merge trees); from configs alone (`row_flops`) ToMe's and VisionZip's are computed
-  (2 * rows * cols * D_out per similarity matrix), FlashVid's cannot be.
+  (2 * rows * cols * width per similarity matrix: D_out, or the vision head size for VisionZip's
+  keys), FlashVid's cannot be.
 - the Allocator (method=resadapt): its frozen encoders per frame and per query length, and its
   decoder (`Allocator.flops`).
 """
@@ -45,7 +46,8 @@ TERA = 1e12
 class VisionDims:
     """The vision tower: D = hidden, I = intermediate, p = patch, m = merge, tp = temporal patch;
     window_px: Qwen2.5-VL's attention window in pixels (None: every block attends per temporal
-    patch); full_blocks: blocks that attend per temporal patch anyway; deepstack: extra mergers."""
+    patch); full_blocks: blocks that attend per temporal patch anyway; deepstack: extra mergers;
+    heads: attention heads (head size D / heads)."""
 
     depth: int
     hidden: int
@@ -59,6 +61,7 @@ class VisionDims:
     window_px: int | None
     full_blocks: tuple[int, ...]
     deepstack: int
+    heads: int
 
 
 @dataclass(frozen=True)
@@ -110,6 +113,7 @@ def dims_from_config(config) -> BackboneDims:
             window_px=vision["window_size"] if qwen25 else None,
             full_blocks=tuple(vision.get("fullatt_block_indexes", ())),
             deepstack=len(vision.get("deepstack_visual_indexes", ())),
+            heads=vision["num_heads"],
         ),
         TextDims(
             hidden=text["hidden_size"],
@@ -227,17 +231,18 @@ def tome_similarity(pair_sizes: list[int], keep: int, width: int) -> int:
         while alive > target:
             a, b = (alive + 1) // 2, alive // 2
             total += 2 * a * b * width
-            alive -= min(a, alive - target)
+            alive -= min(b, alive - target)  # r = min(over budget, t // 2)
     return total
 
 
 def visionzip_similarity(pair_sizes: list[int], keep: int, width: int) -> int:
-    """VisionZip's contextual merging: per pair with budget k, the k - n_dom targets against the
-    size - n_dom non-dominant tokens (n_dom as `visionzip.compress` splits k)."""
+    """VisionZip's contextual merging: per pair with budget k split into n_dom dominant and c
+    contextual (`visionzip.split`), the size - n_dom - c non-target tokens against the c targets,
+    cosines of `width`-wide keys."""
     total = 0
     for size, k in zip(pair_sizes, per_pair_budget(pair_sizes, keep)):
-        n_dom = max(1, round(k * visionzip.DOMINANT_FRACTION)) if k > 1 else 1
-        total += 2 * (size - n_dom) * (k - n_dom) * width
+        n_dom, c = visionzip.split(k)
+        total += 2 * (size - n_dom - c) * c * width
     return total
 
 
@@ -261,9 +266,15 @@ SIMILARITY = {
 }
 
 
+def similarity_width(compress, v: VisionDims) -> int:
+    """Width of the vectors a compressor compares: VisionZip's keys (the vision head size), or
+    else the merged features (D_out)."""
+    return v.hidden // v.heads if compress is visionzip.compress else v.out_hidden
+
+
 def recomputed_attention(v: VisionDims, grids) -> int:
     """The last vision block's attention recomputed eagerly for VisionZip / FlashVid: its qkv
-    projection 2 * P * 3 D^2 and QK^T 2 * D * L_s^2 per segment (`vision_attention.received_attention`)."""
+    projection 2 * P * 3 D^2 and QK^T 2 * D * L_s^2 per segment (`vision_attention.received_attention_and_keys`)."""
     last = v.depth - 1
     total = 0
     for grid in grids:
@@ -287,7 +298,7 @@ def method_flops(method, dims: BackboneDims, grids, retention: float | None, com
         raise ValueError(f"method={method.name}: its compressor's work depends on the features; count it in a run")
     pair_sizes = [t * h * w for t, h, w in grids]
     keep = kept_count(retention, sum(pair_sizes), len(pair_sizes))
-    return total + similarity(pair_sizes, keep, dims.vision.out_hidden)
+    return total + similarity(pair_sizes, keep, similarity_width(method.compress, dims.vision))
 
 
 # ---------------------------------------------------------------------- one sample
