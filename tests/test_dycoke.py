@@ -75,7 +75,22 @@ def test_hand_made_video_matches_the_paper_rule():
         assert kept_set(assignment) == paper_ttm(ANGLES, per_frame)
     # worked by hand for two tokens per compared pair: pair 1 keeps positions 3, 1 (differences 50, 30), pair 2
     # keeps 2, 3 (45, 25), pair 3 keeps 0, 2 (35, 20)
-    assert kept_set(compress(tokens, 14).assignment) == {0, 1, 2, 3, 4 + 3, 4 + 1, 8 + 2, 8 + 3, 12 + 0, 12 + 2, 16, 17, 18, 19}
+    assert kept_set(compress(tokens, 14).assignment) == {
+        0,
+        1,
+        2,
+        3,
+        4 + 3,
+        4 + 1,
+        8 + 2,
+        8 + 3,
+        12 + 0,
+        12 + 2,
+        16,
+        17,
+        18,
+        19,
+    }
 
 
 def test_below_ttm_reach_it_recurses_over_reference_pairs():

@@ -125,7 +125,9 @@ def compress(tokens: VisualTokens, keep: int, seed: int = 0) -> Compression:
                 keep_tokens(frame)
             break
         level, budget = references, budget - len(compared)
-    return Compression(torch.where(kept, torch.arange(feats.shape[0]), torch.full_like(kept, DROPPED, dtype=torch.long)))
+    return Compression(
+        torch.where(kept, torch.arange(feats.shape[0]), torch.full_like(kept, DROPPED, dtype=torch.long))
+    )
 
 
 def decode_stage(num_layers: int, visual: int, retention: float, first_layer: int = 0) -> DecodeStage:
