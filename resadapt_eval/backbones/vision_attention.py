@@ -1,8 +1,9 @@
-"""The attention each merged visual token received in the vision tower's last block.
+"""What the vision tower's last block says about each merged visual token: the attention its
+patches received, and their attention keys.
 
-VisionZip and FlashVid rank tokens by it. The tower runs fused attention kernels, so the
-scores are recomputed eagerly from the last block's captured input: mean over heads and query
-patches, then over the patches of each merge unit.
+VisionZip, FlashVid, FastVID and HoliTom rank tokens by the received attention; VisionZip also
+measures token similarity on the keys. The tower runs fused attention kernels, so both are
+recomputed eagerly from the last block's captured input with one qkv projection.
 """
 
 from __future__ import annotations
@@ -34,17 +35,22 @@ def last_block_input(model):
         hook.remove()
 
 
-def received_attention(captured: dict, vision_rotary, merge_unit: int) -> torch.Tensor:
-    """(N,) attention received per merge unit of `merge_unit` patches, in the block's sequence
-    order, from `last_block_input`'s capture; `vision_rotary` is the tower's rotary function."""
+def received_attention_and_keys(captured: dict, vision_rotary, merge_unit: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per merge unit of `merge_unit` patches, in the block's sequence order, from
+    `last_block_input`'s capture (`vision_rotary`: the tower's rotary function):
+    - (N,) float32 attention received: softmax(q k^T * scale) within each attention segment
+      (`cu_seqlens`), mean over heads and query patches, then over the unit's patches;
+    - (N, head_dim) float32 keys: the qkv projection's keys *before* rotary, mean over heads, then
+      over the unit's patches."""
     attn = captured["module"]
     hidden, bounds = captured["hidden_states"], captured["cu_seqlens"].tolist()
     cos, sin = captured["position_embeddings"]
     length = hidden.shape[0]
     q, k, _ = attn.qkv(hidden).reshape(length, 3, attn.num_heads, -1).permute(1, 0, 2, 3).unbind(0)
+    keys = k.float().mean(dim=1)
     q, k = vision_rotary(q, k, cos, sin)
     received = torch.zeros(length, device=hidden.device)
     for lo, hi in zip(bounds[:-1], bounds[1:]):
         scores = torch.einsum("qhd,khd->hqk", q[lo:hi].float(), k[lo:hi].float()) * attn.scaling
         received[lo:hi] = scores.softmax(dim=-1).mean(dim=(0, 1))
-    return received.reshape(-1, merge_unit).mean(dim=1)
+    return received.reshape(-1, merge_unit).mean(dim=1), keys.reshape(-1, merge_unit, keys.shape[-1]).mean(dim=1)

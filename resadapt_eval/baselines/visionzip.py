@@ -1,12 +1,52 @@
-"""VisionZip (Yang et al. 2025) on Qwen's merged video tokens, per frame pair.
+"""VisionZip (Yang et al., "VisionZip: Longer is Better but Not Necessary in Vision Language
+Models", CVPR 2025) on Qwen's merged video tokens, per frame pair.
 
-Qwen has no CLS token: a merged token's importance is the attention its 4 patches receive in the
-last ViT block, recomputed eagerly (mean over heads and query patches, mean over the merge unit,
-Qwen2.5-VL's window order undone); the backbone adapter supplies it as `received_attention`.
-Split of a pair's budget k: `round(k * 54/64)` dominant tokens (VisionZip's 54 dominant + 10
-contextual of 64), at least one; the rest are contextual: that many uniformly spaced "target"
-tokens among the non-dominant ones, with every other non-dominant token merged (averaged) into
-its most cosine-similar target.
+Reference: dvlab-research/VisionZip@3151f6d, `visionzip/clip_encoder.py:43-83` (the selection and
+merging), `visionzip/utils.py:10-89` (the patched CLIP attention returns its keys, mean over heads)
+and `utils.py:122-124,191` (layer -2 stores them), `main.py:5-7` (`dominant - 1` patches plus
+[CLS]). On LLaVA's CLIP tower, per image, everything is read at layer -2, the layer whose output
+LLaVA hands to its projector:
+- dominant: the [CLS] query's attention to the patches, summed over heads; the `dominant - 1`
+  highest patches, plus [CLS] itself (the README's 64 tokens: dominant=54, contextual=10);
+- the remaining patches, in their original order, are compared on their keys (the key projection
+  with its bias, mean over heads), L2-normalised;
+- targets: `arange(0, n, max(1, n // c))[:c]` of those n remaining tokens, c = contextual; every
+  other remaining token goes to the target of highest cosine similarity (argmax, the first on
+  ties);
+- a contextual token is the target's hidden state plus the mean of the tokens assigned to it
+  (counts clamped to 1: a target without members is itself);
+- the output is [CLS and dominant tokens in original order, contextual tokens in target order],
+  then the projector.
+
+Here, per frame pair with budget k: `round(k * 54/64)` dominant tokens (Python's round, half to
+even; at least 1 for every k >= 1), the other k - that contextual. Returned as a `Compression`:
+dominant tokens are groups of one; a target has weight 1 and each of its m members 1/m, so its
+group's feature is target + mean(members) (deepstack features, Qwen3-VL, likewise).
+
+Deviations, each for a reason:
+- Qwen has no [CLS] token. A token's importance is the attention its patches receive in the last
+  ViT block (`received_attention`: mean over heads and query patches, then over the merge unit's 4
+  patches, Qwen2.5-VL's window order undone). All dominant tokens are visual tokens (the
+  reference's count includes [CLS]). Ties go to the lower index (`torch.topk` leaves them open).
+- The last ViT block instead of layer -2, for the attention and the keys alike: the reference
+  reads the layer that produces the features LLaVA projects, and on Qwen that is the last block
+  (the merger projects its output). On Qwen2.5-VL the last block attends over each whole temporal
+  patch while the block before it attends within windows only (`fullatt_block_indexes`), so its
+  attention would not rank tokens across the frame; attention and keys come from one block, as in
+  the reference.
+- The keys are taken before rotary: CLIP has no rotary (its positions are added to the input), and
+  rotary would make two tokens' similarity depend on where they are. They are averaged over heads
+  (as the reference) and then over the merge unit's 4 patches (one key per merged token).
+- Merging acts on the merger's output (the LLM's input embeddings), where the reference merges
+  layer -2 hidden states and projects the result: Qwen's merger fuses 4 patches and projects in one
+  step, and every compressor here acts after it.
+- Budgets: floor(R * N) tokens split over frame pairs (`per_pair_budget`); each pair is
+  compressed on its own, as the reference compresses each image. The 54 : 10 split is generalised
+  as above (k = 64 gives 54 + 10, k = 128 gives 108 + 20).
+- Order: every kept token (dominant or target) stays in its original place with its own M-RoPE
+  position (Qwen's positions are per token); the reference puts contextual tokens after the
+  dominant ones.
+`seed` is unused (VisionZip is deterministic).
 """
 
 from __future__ import annotations
@@ -14,27 +54,40 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .common import DROPPED, VisualTokens, per_pair_budget
+from .common import DROPPED, Compression, VisualTokens, per_pair_budget, top
 
 DOMINANT_FRACTION = 54 / 64
 
 
-def compress(tokens: VisualTokens, keep: int, seed: int = 0) -> torch.Tensor:
-    if tokens.received_attention is None:
-        raise ValueError("visionzip needs the attention received in the last ViT block")
-    assignment = torch.full((tokens.features.shape[0],), DROPPED, dtype=torch.long)
+def split(k: int) -> tuple[int, int]:
+    """(dominant, contextual) tokens of a pair budget k >= 1."""
+    dominant = round(k * DOMINANT_FRACTION)
+    return dominant, k - dominant
+
+
+def compress(tokens: VisualTokens, keep: int, seed: int = 0) -> Compression:
+    if tokens.received_attention is None or tokens.keys is None:
+        raise ValueError("visionzip needs the last ViT block's received attention and keys")
+    n = tokens.features.shape[0]
+    assignment = torch.full((n,), DROPPED, dtype=torch.long)
+    weights = torch.ones(n, dtype=torch.float64)
+    attention = tokens.received_attention.detach().cpu()
+    keys = tokens.keys.detach().cpu()
+    keys = keys.to(torch.promote_types(keys.dtype, torch.float32))
     for start, size, k in zip(tokens.pair_starts, tokens.pair_sizes, per_pair_budget(tokens.pair_sizes, keep)):
         index = torch.arange(start, start + size)
-        n_dom = max(1, round(k * DOMINANT_FRACTION)) if k > 1 else 1
-        n_ctx = k - n_dom
-        order = torch.argsort(tokens.received_attention[index], descending=True)
-        dominant, rest = index[order[:n_dom]], index[order[n_dom:]]
+        n_dom, n_ctx = split(k)
+        dominant = index[top(attention[index], n_dom)]
         assignment[dominant] = dominant
-        if n_ctx > 0:
-            rest = rest.sort().values
-            targets = rest[torch.linspace(0, len(rest) - 1, n_ctx).round().long()]
-            feats = F.normalize(tokens.features.float(), dim=-1)
-            nearest = (feats[rest] @ feats[targets].T).argmax(dim=1)
-            assignment[rest] = targets[nearest]
-            assignment[targets] = targets
-    return assignment
+        if n_ctx == 0:
+            continue
+        rest = index[~torch.isin(index, dominant)]  # original order
+        is_target = torch.zeros(len(rest), dtype=torch.bool)
+        is_target[torch.arange(0, len(rest), max(1, len(rest) // n_ctx))[:n_ctx]] = True
+        targets, members = rest[is_target], rest[~is_target]
+        metric = F.normalize(keys[rest], dim=-1)
+        nearest = (metric[~is_target] @ metric[is_target].T).argmax(dim=1)
+        assignment[targets] = targets
+        assignment[members] = targets[nearest]
+        weights[members] = 1.0 / torch.bincount(nearest, minlength=n_ctx)[nearest].double()
+    return Compression(assignment, weights)
