@@ -1,18 +1,81 @@
-"""FlashVid (Fan et al., ICLR 2026), vision side, on Qwen's merged tokens with pairs as frames.
+"""FlashVID (Fan et al., ICLR 2026), vision side, on Qwen's merged tokens with pairs as frames.
 
-1. Segments: consecutive pairs whose mean features have cosine >= SEGMENT_THRESHOLD share a segment.
-2. Attention- and diversity-based selection: ALPHA of each pair's budget goes to tokens chosen
-   greedily for diversity (max-min cosine distance), starting from the token that received the
-   most attention in the last ViT block.
-3. Tree-based spatiotemporal merging of the rest of each segment: a token joins its most similar
-   unselected token of the previous pair when their cosine exceeds TEMPORAL_THRESHOLD (most
-   similar first, while the segment keeps more roots than its remaining budget); the surviving
-   roots are clustered to exactly that budget (farthest-point centres, nearest-centre merging).
-   Merged tokens sit at their root's / centre's position.
+Paper: Z. Fan, K. Chen, R. Xing, Y. Li, L. Jiang, Z. Tian, "FlashVID: Efficient Video Large Language
+Models via Training-free Tree-based Spatiotemporal Token Merging", ICLR 2026, arXiv:2602.08024.
+Code: github.com/Fanziyang-v/FlashVID, read at commit 1d37422: `flashvid/utils.py` (23-78
+`flashvid_compression`, 81-165 `segment_compression`, 168-226 `segment` / `additional_segment`,
+229-280 `dpc_knn`, 283-349 `spatiotemporal_compression`), `flashvid/token_selection.py:14-76`
+(ADTS, `attn_div`), and the settings of the authors' Qwen runs, `scripts/qwen2_5_vl.sh:13-24` and
+`scripts/qwen3_vl.sh:13-25`: alpha 0.7, temporal threshold 0.8, segment threshold 0.9 (the
+default), at least 4 segments with complementary cuts, ADTS v1 (`attn_div`). The config defaults
+(8 segments, `flashvid()`'s `attn_div_v2`) are the LLaVA settings (`scripts/llava_ov.sh`). On Qwen
+the reference's frame is a temporal patch (`modeling_qwen2_5_vl.py:259-263,463-470`), i.e. a frame
+pair here.
 
-Budgets: the published method also prunes inside the LLM (FastV-style) and quotes a
-layer-averaged retention, so about 1.25 R tokens enter the LLM there. This port has no in-LLM
-pruning: exactly floor(R * N) tokens enter the LLM, and that is the R recorded.
+What runs, per video (the reference's rules; the deviations below say where ours differ):
+
+1. Segments (`utils.py:168-226`): t_i = cosine of the mean features of pairs i and i+1; cut after
+   pair i where t_i < SEGMENT_THRESHOLD. With fewer than MIN_SEGMENTS segments, the transitions
+   already cut are set to 1 and the MIN_SEGMENTS - segments lowest t_i (at most all transitions)
+   are cut as well; a transition cut twice makes an empty segment, which yields nothing.
+2. ADTS in each pair (`token_selection.py:28-76`, `utils.py:100-108`), ceil(ALPHA b) tokens of a
+   pair with budget b (`utils.py:47`): d_ij = (1 - cos(i, j)) * a_j * 1e6, a_j the attention token
+   j received. The first pick is argmax_j of the second smallest d_ij over i (a_j times j's
+   distance to its nearest neighbour); each later pick is argmax_j of a_j times j's smallest
+   distance to the chosen tokens, chosen tokens excluded; argmax ties to the lower index.
+3. Tree-based temporal merging of the segment's unselected tokens (`utils.py:283-349`): each token
+   of a pair after the segment's first takes its most cosine-similar unselected token of the
+   previous pair (the first on ties) as parent when the similarity exceeds TEMPORAL_THRESHOLD. If
+   fewer tokens than the segment's budget would stay unmerged (selected tokens and the first
+   pair's included), only similarities above the (tokens - budget)-th largest merge (that
+   threshold floored at -1 + 1e-6). Chains of parents form trees, at their roots' positions. A
+   tree's feature is the sum of its members over 1 + the number of its root's direct children:
+   the reference adds one count per merged child, not the child's own count (`utils.py:334`), so
+   this is the members' mean only for trees of depth <= 1 (a chain a <- b <- c gives
+   (a + b + c) / 2). We follow the code.
+4. Spatial merging per pair (`utils.py:138-162`): S = the segment's context budget (b -
+   ceil(ALPHA b) summed over its pairs), R0 = its trees; if S / R0 < 1, each pair's trees are
+   clustered by DPC-kNN (`utils.py:229-280`: d = euclidean / sqrt(D); density exp(-mean d^2) over
+   the k = min(clusters, 7) nearest, itself included; delta = distance to the nearest denser tree,
+   the densest taking the largest distance; centres = top density * delta; every tree joins its
+   nearest centre), else every tree stays. A cluster's feature is the unweighted mean of its trees'
+   features, at its centre's position. With S = 0 the unselected tokens are dropped.
+
+As a `Compression`: selected tokens are groups of one; a token of tree T in cluster C (|C| trees)
+has weight 1 / (|C| c_T), c_T = 1 + the direct children of T's root, so its group's feature is the
+mean of the tree features (the adapter merges Qwen3-VL's deepstack features with the same weights;
+the reference takes the kept positions' deepstack features unmerged, `modeling_qwen3_vl.py:323`).
+
+Deviations, each for a reason:
+- Budgets: the published method also prunes inside the LLM (FastV-style: it enters
+  ceil(1.25 R n) tokens per frame and keeps 30% of them at layer 20 of Qwen2.5-VL, 10% at layer 28
+  of Qwen3-VL) and quotes a layer-averaged retention. This port has no in-LLM stage: exactly
+  floor(R N) tokens enter the LLM, and that is the R recorded. They are split over pairs by
+  `per_pair_budget` (the reference: one budget for every frame); a pair's ADTS share is
+  ceil(ALPHA b) as in the reference, and the segment's lower bound for temporal merging is the sum
+  of its pairs' budgets.
+- Cluster counts: the reference gives pair p ceil(r_p S / R0) clusters (r_p: its trees), which
+  sums to S or more. Ours split S exactly: floor(r_p S / R0), plus one for the pairs with the
+  largest remainders (integer arithmetic, ties to the earlier pair), so each count is the
+  reference's or one less. A pair given 0 clusters this way drops its trees (the reference never
+  does); k = min(clusters, 7) follows our count.
+- One-pair segments: the reference clusters all the frame's tokens, its ADTS-selected ones
+  included (`utils.py:129-132`), so a selected token can be kept twice (also as a cluster centre)
+  and its feature enter a cluster as well; an assignment gives each token one group, so we cluster
+  the unselected tokens only, as the reference does in segments of two or more pairs.
+- Determinism: DPC-kNN's density has no random noise (the reference adds uniform [0, 1e-6)), equal
+  densities: the lower index is denser; a tree's distance to itself is exactly 0 (the
+  matmul-based `cdist` leaves rounding noise there, which with k = 1, every density exp(0), would
+  pick the centre); centre ties go to the lower index, assignment ties to the higher-scored centre.
+  `seed` is unused.
+- Edge cases where the reference raises: a one-token pair's ADTS pick is its token (the reference
+  takes the top 2 of a column); a segment whose budget is all its tokens merges nothing (the
+  reference takes the last of a top-0).
+- Precision: similarities and distances are computed in float32 (float64 inputs stay float64); the
+  reference computes the segment means and temporal similarities in the model's dtype (bf16).
+- Attention: Qwen has no [CLS] token; a_j is `received_attention` (the attention token j's 4
+  patches received in the last ViT block, mean over heads and queries, then over the 4 patches),
+  which is what the reference's Qwen code computes (`modeling_qwen2_5_vl.py:257-263,574-584`).
 """
 
 from __future__ import annotations
@@ -20,96 +83,184 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
 
-from .common import DROPPED, VisualTokens, per_pair_budget
+from .common import DROPPED, Compression, VisualTokens, per_pair_budget, top
 
 SEGMENT_THRESHOLD = 0.9
-TEMPORAL_THRESHOLD = 0.8
+MIN_SEGMENTS = 4  # scripts/qwen2_5_vl.sh and qwen3_vl.sh (the config default, 8, is for LLaVA)
 ALPHA = 0.7
+TEMPORAL_THRESHOLD = 0.8
+ATTENTION_SCALE = 1e6  # token_selection.py:46, "to avoid numerical issues"
+MAX_NEIGHBOURS = 7  # utils.py:155: k = min(clusters, 7)
+
+
+def adts_count(budget: int) -> int:
+    """Tokens ADTS selects in a pair with `budget` tokens (`utils.py:47`)."""
+    return math.ceil(budget * ALPHA)
 
 
 def segments(pair_means: torch.Tensor) -> list[list[int]]:
-    """Consecutive pair indices grouped where adjacent pairs are similar."""
-    sim = F.cosine_similarity(pair_means[:-1], pair_means[1:], dim=-1)
-    groups = [[0]]
-    for p, s in enumerate(sim.tolist(), start=1):
-        if s >= SEGMENT_THRESHOLD:
-            groups[-1].append(p)
-        else:
-            groups.append([p])
+    """Runs of consecutive pair indices: threshold cuts, then complementary cuts at the lowest
+    transition similarities up to MIN_SEGMENTS segments."""
+    count = pair_means.shape[0]
+    if count == 1:
+        return [[0]]
+    normed = pair_means / pair_means.norm(dim=-1, keepdim=True)
+    sim = (normed[:-1] * normed[1:]).sum(dim=-1)
+    below = sim < SEGMENT_THRESHOLD
+    cuts = set(torch.nonzero(below).flatten().tolist())
+    missing = MIN_SEGMENTS - (len(cuts) + 1)
+    if missing > 0:
+        filled = torch.where(below, torch.ones_like(sim), sim)
+        cuts |= set(torch.sort(filled, stable=True).indices[: min(missing, count - 1)].tolist())
+    groups, start = [], 0
+    for cut in sorted(cuts):
+        groups.append(list(range(start, cut + 1)))
+        start = cut + 1
+    groups.append(list(range(start, count)))
     return groups
 
 
-def diverse_selection(feats: torch.Tensor, attention: torch.Tensor | None, k: int) -> list[int]:
-    """k indices: the most attended token, then greedily the one farthest (cosine) from the chosen."""
-    if k <= 0:
-        return []
-    first = int(attention.argmax()) if attention is not None else int((feats @ feats.mean(0)).argmin())
-    chosen = [first]
-    distance = 1 - feats @ feats[first]
-    while len(chosen) < k:
-        distance[chosen] = -math.inf
-        nxt = int(distance.argmax())
-        chosen.append(nxt)
-        distance = torch.minimum(distance, 1 - feats @ feats[nxt])
-    return chosen
+def adts(normed: torch.Tensor, attention: torch.Tensor, count: int) -> torch.Tensor:
+    """Sorted indices of `count` rows of `normed` (n, D), unit rows, chosen by ADTS."""
+    n = normed.shape[0]
+    if n == 1:
+        return torch.zeros(1, dtype=torch.long)
+    dist = (1.0 - normed @ normed.T) * (attention * ATTENTION_SCALE)[None, :]  # column j weighted by a_j
+    chosen = [int(dist.topk(2, dim=0, largest=False).values[1].argmax())]
+    nearest = dist[chosen[0]].clone()
+    while len(chosen) < count:
+        score = nearest.clone()
+        score[chosen] = -1.0
+        chosen.append(int(score.argmax()))
+        nearest = torch.minimum(nearest, dist[chosen[-1]])
+    return torch.tensor(sorted(chosen), dtype=torch.long)
 
 
-def cluster(feats: torch.Tensor, k: int) -> torch.Tensor:
-    """Centre (row index) for each row: k farthest-point centres, nearest-centre assignment."""
-    centres = diverse_selection(feats, None, k)
-    nearest = (feats @ feats[centres].T).argmax(dim=1)
-    owner = torch.tensor(centres)[nearest]
-    owner[centres] = torch.tensor(centres)
-    return owner
+def cluster_counts(trees: list[int], clusters: int) -> list[int]:
+    """`clusters` split over pairs in proportion to their trees: floors, then one more for the
+    largest remainders (ties to the earlier pair)."""
+    total = sum(trees)
+    counts = [t * clusters // total for t in trees]
+    remainders = [t * clusters % total for t in trees]
+    order = sorted(range(len(trees)), key=lambda p: -remainders[p])
+    for p in order[: clusters - sum(counts)]:
+        counts[p] += 1
+    return counts
 
 
-def compress(tokens: VisualTokens, keep: int, seed: int = 0) -> torch.Tensor:
-    feats = F.normalize(tokens.features.float(), dim=-1)
+def dpc_knn(feats: torch.Tensor, count: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """DPC-kNN over feats (n, D) into `count` clusters: centres (row indices, by descending score)
+    and each row's cluster (an index into centres; a centre is its own)."""
+    n, dim = feats.shape
+    dist = torch.cdist(feats, feats) / math.sqrt(dim)
+    dist.fill_diagonal_(0.0)
+    nearest = dist.topk(min(count, MAX_NEIGHBOURS), dim=1, largest=False).values
+    density = torch.exp(-(nearest**2).mean(dim=1))
+    index = torch.arange(n, device=feats.device)
+    denser = (density[None, :] > density[:, None]) | (  # [i, j]: j is denser than i
+        (density[None, :] == density[:, None]) & (index[None, :] < index[:, None])
+    )
+    delta = torch.where(denser, dist, dist.max()).min(dim=1).values
+    centres = top(delta * density, count)
+    owner = dist[:, centres].argmin(dim=1)
+    owner[centres] = torch.arange(count, device=feats.device)
+    return centres.cpu(), owner.cpu()
+
+
+def temporal_trees(
+    normed: torch.Tensor, ranges: list[tuple[int, int]], selected: list[torch.Tensor], budget: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Root and parent (global indices; parent DROPPED when unmerged) of every token of a
+    segment's pairs `ranges` (start, size), in order."""
+    best, parent = [], []
+    for j, (start, size) in enumerate(ranges):
+        if j == 0:
+            best.append(torch.full((size,), -1.0, dtype=normed.dtype))
+            parent.append(torch.full((size,), -1, dtype=torch.long))
+            continue
+        prev_start, prev_size = ranges[j - 1]
+        sim = normed[start : start + size] @ normed[prev_start : prev_start + prev_size].T
+        sim[selected[j].to(sim.device), :] = -1.0
+        sim[:, selected[j - 1].to(sim.device)] = -1.0
+        value, at = sim.max(dim=1)
+        best.append(value.cpu())
+        parent.append(at.cpu() + prev_start)
+    best_all = torch.cat(best)
+    merged = best_all > TEMPORAL_THRESHOLD
+    if int((~merged).sum()) < budget:
+        k = best_all.numel() - budget  # the reference's top-k: at most k - 1 tokens merge
+        if k <= 0:
+            merged = torch.zeros_like(merged)
+        else:
+            soft = max(float(torch.sort(best_all, descending=True).values[k - 1]), -1.0 + 1e-6)
+            merged = best_all > soft
+    roots, offset = [], 0
+    for j, (start, size) in enumerate(ranges):
+        root = torch.arange(start, start + size)
+        here = merged[offset : offset + size]
+        if here.any():
+            root[here] = roots[-1][parent[j][here] - ranges[j - 1][0]]
+        roots.append(root)
+        offset += size
+    return torch.cat(roots), torch.where(merged, torch.cat(parent), DROPPED)
+
+
+def compress(tokens: VisualTokens, keep: int, seed: int = 0) -> Compression:
+    if tokens.received_attention is None:
+        raise ValueError("flashvid needs the last ViT block's received attention")
+    feats = tokens.features.detach()
+    feats = feats.to(torch.promote_types(feats.dtype, torch.float32))
+    normed = feats / feats.norm(dim=-1, keepdim=True)
+    attention = tokens.received_attention.detach().to(device=feats.device, dtype=feats.dtype)
+    n = feats.shape[0]
+    assignment = torch.full((n,), DROPPED, dtype=torch.long)
+    weights = torch.zeros(n, dtype=torch.float64)
     starts, sizes = tokens.pair_starts, tokens.pair_sizes
     budget = per_pair_budget(sizes, keep)
-    assignment = torch.arange(feats.shape[0])
-    pair_means = torch.stack([tokens.features[s : s + n].float().mean(0) for s, n in zip(starts, sizes)])
-    for seg in segments(pair_means):
-        rest, remaining_budget = [], 0
-        for p in seg:
-            index = torch.arange(starts[p], starts[p] + sizes[p])
-            attention = tokens.received_attention[index] if tokens.received_attention is not None else None
-            n_sel = min(budget[p], max(1, round(ALPHA * budget[p])))
-            chosen = set(index[diverse_selection(feats[index], attention, n_sel)].tolist())
-            rest.append([i for i in index.tolist() if i not in chosen])
-            remaining_budget += budget[p] - n_sel
-        roots = {i: i for part in rest for i in part}
-        # temporal merging into the previous pair's tokens, most similar first
-        edges = []
-        for prev, cur in zip(rest[:-1], rest[1:]):
-            if prev and cur:
-                sim = feats[cur] @ feats[prev].T
-                best, at = sim.max(dim=1)
-                edges += [(float(b), c, prev[int(a)]) for b, c, a in zip(best, cur, at)]
-        live = len(roots)
-        for sim, child, parent in sorted(edges, reverse=True):
-            if sim <= TEMPORAL_THRESHOLD or live <= remaining_budget:
-                break
-            roots[child] = parent
-            live -= 1
-
-        def root(i):
-            while roots[i] != i:
-                i = roots[i]
-            return i
-
-        for i in roots:
-            assignment[i] = root(i)
-        survivors = sorted({root(i) for i in roots})
-        if remaining_budget < len(survivors):
-            # spatial merging of the surviving roots down to exactly the segment's remaining budget
-            if remaining_budget > 0:
-                owner = cluster(feats[survivors], remaining_budget)
-                centre_of = {r: survivors[int(o)] for r, o in zip(survivors, owner)}
-            else:
-                centre_of = {r: DROPPED for r in survivors}
-            for i in roots:
-                assignment[i] = centre_of[int(assignment[i])]
-    return assignment
+    means = torch.stack([feats[s : s + k].mean(dim=0) for s, k in zip(starts, sizes)])
+    for seg in segments(means):
+        ranges = [(starts[p], sizes[p]) for p in seg]
+        selected = []
+        for p, (start, size) in zip(seg, ranges):
+            chosen = adts(normed[start : start + size], attention[start : start + size], adts_count(budget[p]))
+            assignment[start + chosen] = start + chosen
+            weights[start + chosen] = 1.0
+            mask = torch.zeros(size, dtype=torch.bool)
+            mask[chosen] = True
+            selected.append(mask)
+        context = sum(budget[p] - adts_count(budget[p]) for p in seg)
+        if context == 0:
+            continue  # only the ADTS tokens stay (utils.py:118-141)
+        first, length = ranges[0][0], sum(size for _, size in ranges)  # the segment's tokens are contiguous
+        if len(seg) == 1:
+            root, parent = torch.arange(first, first + length), torch.full((length,), DROPPED)
+        else:
+            root, parent = temporal_trees(normed, ranges, selected, sum(budget[p] for p in seg))
+        unselected = ~torch.cat(selected)
+        members = torch.arange(first, first + length)[unselected]
+        member_root = root[unselected]
+        # a tree's feature: the sum of its members over 1 + its root's direct children (utils.py:303-337)
+        children = torch.bincount(parent[parent != DROPPED] - first, minlength=length)  # by local index
+        divisor = 1 + children
+        tree_sum = torch.zeros(length, feats.shape[1], dtype=feats.dtype, device=feats.device)
+        tree_sum.index_add_(0, (member_root - first).to(feats.device), feats[members.to(feats.device)])
+        pair_trees = [members[(member_root == members) & (members >= s) & (members < s + k)] for s, k in ranges]
+        trees = [len(t) for t in pair_trees]
+        counts = trees if sum(trees) <= context else cluster_counts(trees, context)
+        centre = torch.full((n,), DROPPED, dtype=torch.long)  # each tree's cluster centre (a tree root)
+        for roots, clusters in zip(pair_trees, counts):
+            if clusters >= len(roots):
+                centre[roots] = roots
+            elif clusters > 0:
+                local = roots - first
+                tree_feats = tree_sum[local.to(feats.device)] / divisor[local].to(feats)[:, None]
+                centres, owner = dpc_knn(tree_feats, clusters)
+                centre[roots] = roots[centres][owner]
+        member_centre = centre[member_root]
+        kept = member_centre != DROPPED
+        tree_centres = member_centre[(member_root == members) & kept]
+        trees_in = torch.bincount(tree_centres, minlength=n)  # trees per cluster, by centre
+        assignment[members[kept]] = member_centre[kept]
+        weights[members[kept]] = 1.0 / (trees_in[member_centre[kept]] * divisor[member_root[kept] - first]).double()
+    return Compression(assignment, weights)
