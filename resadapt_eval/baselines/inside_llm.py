@@ -1,9 +1,15 @@
 """Visual-token pruning between the LLM's decoder layers (FastV, PyramidDrop), on the HF path.
 
 A schedule is a list of `Stage(layer, keep)`: from decoder layer `layer` on, only `keep` visual
-tokens remain. At each stage the visual tokens still present are ranked by the attention the
-prompt's last token pays them in the layer before (mean over heads, softmax over every key, as
-FastV and PyramidDrop rank them), and the top `keep` stay, in their original order.
+tokens remain. At each stage the visual tokens still present are ranked by `Stage.rank_by` and the
+top `keep` stay, in their original order (ties: the earlier token first):
+- `LAST_TOKEN`: the attention the prompt's last token pays them in the layer before the stage, from
+  that layer's own q/k on its attention input (softmax over every key and head mean in float32; FastV,
+  HoliTom);
+- `STAGE_INPUT`: the same row computed with the stage layer's own input_layernorm and q/k
+  projections on the hidden states entering it, softmax in float32 cast back to the model's dtype,
+  mean over heads in that dtype (PyramidDrop's `pdrop_rank_drop`);
+- `TEXT_AFTER_VISUAL`: every text token after the video, max over them and heads (PruneVid).
 
 Everything goes through forward pre-hooks on the decoder layers and their attention modules
 (`LayerPruner.attached`), never by editing the model: at a stage's layer the hidden states lose
@@ -23,6 +29,7 @@ every token), and its compressor keeps the most tokens that leave the layer aver
 
 from __future__ import annotations
 
+import math
 import sys
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -33,9 +40,10 @@ import torch.nn.functional as F
 from ..budget.plan import InfeasibleBudget
 from ..compute.counting import counted_flops
 
-# How a stage ranks the visual tokens, from the attention in the layer before it:
-LAST_TOKEN = "last_token"  # the prompt's last token's attention, mean over heads (FastV, PyramidDrop, HoliTom)
-TEXT_AFTER_VISUAL = "text_after_visual"  # every text token after the video, max over them and heads (PruneVid)
+# How a stage ranks the visual tokens (see the module docstring):
+LAST_TOKEN = "last_token"  # the prompt's last token's attention in the layer before, mean over heads (FastV, HoliTom)
+STAGE_INPUT = "stage_input"  # the same row from the stage layer's own norm and q/k on its input (PyramidDrop)
+TEXT_AFTER_VISUAL = "text_after_visual"  # text after the video, max over them and heads, layer before (PruneVid)
 
 
 @dataclass(frozen=True)
@@ -72,8 +80,9 @@ def check_layers(layers: list[int], num_layers: int, first_layer: int) -> None:
     if layers[0] < max(1, first_layer) or layers[-1] >= num_layers:
         raise ValueError(
             f"prune_layers {layers} must lie in [{max(1, first_layer)}, {num_layers - 1}] on this LLM of "
-            f"{num_layers} layers (the first layers see every visual token: the ranking reads the layer "
-            "before a stage, and Qwen3-VL's deepstack features are added after its first layers)"
+            f"{num_layers} layers (the first layers see every visual token: a stage ranks by attention in "
+            "its layer or the one before, after at least one full layer, and Qwen3-VL's deepstack features "
+            "are added after its first layers)"
         )
 
 
@@ -111,10 +120,11 @@ def entering_tokens(
     return low
 
 
-def query_attention(attention: torch.nn.Module, hidden: torch.Tensor, cos, sin, first_query: int) -> torch.Tensor:
-    """(heads, Q, L) causal attention of the last Q = L - first_query of L tokens over all L, as
-    `attention` (a Qwen2.5-VL / Qwen3-VL text attention module) computes it on its input `hidden`
-    (1, L, H) with rotary `cos`, `sin` (1, L, d): only those query rows are formed."""
+def rotated_qk(attention: torch.nn.Module, hidden: torch.Tensor, cos, sin, first_query: int):
+    """(1, heads, Q, d) queries of the last Q = L - first_query of L tokens and (1, heads, L, d) keys
+    of all L (each key head repeated for its group of query heads), as `attention` (a Qwen2.5-VL /
+    Qwen3-VL text attention module) forms them from its input `hidden` (1, L, H) with rotary `cos`,
+    `sin` (1, L, d): only those query rows are projected."""
     rotary = sys.modules[type(attention).__module__].apply_rotary_pos_emb  # the module's own rotary
     d, length = attention.head_dim, hidden.shape[1]
     q = attention.q_proj(hidden[:, first_query:]).view(1, length - first_query, -1, d)
@@ -124,7 +134,15 @@ def query_attention(attention: torch.nn.Module, hidden: torch.Tensor, cos, sin, 
     q, k = q.transpose(1, 2), k.transpose(1, 2)  # (1, heads, Q, d), (1, kv_heads, L, d)
     q, _ = rotary(q, q, cos[:, first_query:], sin[:, first_query:])
     _, k = rotary(k, k, cos, sin)
-    k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
+    return q, k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
+
+
+def query_attention(attention: torch.nn.Module, hidden: torch.Tensor, cos, sin, first_query: int) -> torch.Tensor:
+    """(heads, Q, L) causal attention of the last Q = L - first_query of L tokens over all L, as
+    `attention` computes it on its input `hidden` (1, L, H) with rotary `cos`, `sin` (1, L, d), in
+    float32 (`rotated_qk`)."""
+    length = hidden.shape[1]
+    q, k = rotated_qk(attention, hidden, cos, sin, first_query)
     logits = (q @ k.transpose(-1, -2)).float() * attention.scaling  # (1, heads, Q, L)
     rows = torch.arange(first_query, length, device=logits.device)[:, None]
     logits = logits.masked_fill(torch.arange(length, device=logits.device)[None, :] > rows, float("-inf"))
@@ -134,6 +152,20 @@ def query_attention(attention: torch.nn.Module, hidden: torch.Tensor, cos, sin, 
 def last_token_attention(attention: torch.nn.Module, hidden: torch.Tensor, cos, sin) -> torch.Tensor:
     """(L,) attention of the last of L tokens over all L, mean over heads (FastV's ranking)."""
     return query_attention(attention, hidden, cos, sin, hidden.shape[1] - 1)[:, 0].mean(dim=0)
+
+
+def stage_input_attention(layer: torch.nn.Module, hidden: torch.Tensor, cos, sin) -> torch.Tensor:
+    """(L,) PyramidDrop's ranking row at a stage boundary: decoder `layer`'s own input_layernorm,
+    then its attention's q/k projections (with Qwen3-VL's per-head q/k norms) and rotary `cos`, `sin`
+    (1, L, d), on the hidden states `hidden` (1, L, H) entering that layer; the last token's query
+    against all L keys, divided by sqrt(head_dim) in the model's dtype, softmax in float32 cast back
+    to that dtype, mean over heads in that dtype (PyramidDrop's modeling_llama_pdrop.py, lines
+    1321-1342 and 1395-1399; the last token sees every key, so the causal mask adds nothing)."""
+    attention = layer.self_attn
+    q, k = rotated_qk(attention, layer.input_layernorm(hidden), cos, sin, hidden.shape[1] - 1)
+    logits = (q @ k.transpose(-1, -2)) / math.sqrt(attention.head_dim)  # (1, heads, 1, L)
+    weights = torch.softmax(logits, dim=-1, dtype=torch.float32).to(q.dtype)
+    return weights[0, :, 0].mean(dim=0)
 
 
 def text_attention(attention: torch.nn.Module, hidden: torch.Tensor, cos, sin, first_query: int) -> torch.Tensor:
@@ -195,6 +227,7 @@ class LayerPruner:
         handles += [
             self.layers[s.layer - 1].self_attn.register_forward_pre_hook(self._ranker(s), with_kwargs=True)
             for s in self.schedule
+            if s.rank_by != STAGE_INPUT  # ranked in the stage layer's own input hook
         ]
         try:
             yield self
@@ -222,6 +255,12 @@ class LayerPruner:
             hidden = args[0] if args else kwargs["hidden_states"]
             prefill = hidden.shape[1] > 1
             if prefill and index in self.stages:
+                if self.stages[index].rank_by == STAGE_INPUT:
+                    rotary = kwargs["position_embeddings"]
+                    if self.kept is not None:  # the tokens entering this layer, at their own positions
+                        rotary = tuple(t[:, self.kept.to(t.device)] for t in rotary)
+                    self.scores, flops = counted_flops(stage_input_attention, module, hidden, *rotary)
+                    self.flops += flops
                 hidden = self._prune(hidden, self.stages[index])
             if prefill and self.kept is not None:
                 self.kept_by_layer[index] = self.kept
