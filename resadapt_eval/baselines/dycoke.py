@@ -14,14 +14,16 @@ during decoding, keeping the visual tokens most attended by the current token at
 Deviations from the reference:
 - The second stage, dynamic KV-cache pruning during decoding (`decode_stage`, `decode_pruning.DecodePruner`;
   `PrunableDynamicCache.dycoke_pruning` in the reference's modeling_qwen2.py): at each decoding step the current
-  token's attention in layer K - 1 (mean over heads) ranks the visual tokens, and layers K and later attend to
-  the top int((1 - P) n) of them (int(R n) where R is larger, so that R = 1 keeps every token), re-selected
-  when the visual attention's cosine to the previous step's is below 0.9 (otherwise, as the reference's reset
-  selection does, to all of them). K = 3 of LLaVA-OneVision-7B's 28 layers (`dycoke_l`), P = 0.7 (the README's
-  lmms-eval setting; the code's default is 0.8). Here K sits at the same relative depth, round(3 L / 28), after
-  Qwen3-VL's deepstack layers. It changes only decoding, so the R recorded is TTM's (every prefill layer sees
-  the tokens TTM kept); its saving is in the decoding FLOPs. The reference keeps the previous step's attention
-  in a config object shared across requests; here it starts afresh with each request.
+  token's attention in layer K - 1 (mean over heads) ranks the visual tokens, and layers K and later attend to the top
+  int((1 - P) n) of them (at least one; int(R n) where R is larger, so that R = 1 keeps every token), re-selected when
+  the visual attention's cosine to the previous step's is below 0.9 (otherwise, as the reference's reset selection
+  does, to all of them). K = 3 of LLaVA-OneVision-7B's 28 layers (`dycoke_l`), P = 0.7 (the README's lmms-eval
+  setting; the code's default is 0.8). Here K sits at the same relative depth, round(3 L / 28), after Qwen3-VL's
+  deepstack layers. The ranked tokens are exactly the visual tokens (the reference's `image_token_length` is one
+  short, llava_arch.py:390, so its last visual token is never ranked and always attended). It changes only decoding,
+  so the R recorded is TTM's (every prefill layer sees the tokens TTM kept); its saving is in the decoding FLOPs. The
+  reference keeps the previous step's attention in a config object shared across requests; here it starts afresh with
+  each request.
 - A "frame" is one Qwen frame pair (`pair_sizes` tokens), compared after the vision merger.
 - Budget: the reference keeps int((1 - K) * T) tokens of every compared frame, so its output size follows from K.
   Here K is solved from the budget. The reference frames stay whole, and the rest of the budget,
@@ -35,7 +37,10 @@ Deviations from the reference:
   to its own mean token when the video is a single pair. The reference has no such case: its in-LLM stage does the
   further pruning.
 - The reference's second comparison loops over `range(0, F - 4, 4)`, so the 3rd frame of the last window is
-  never pruned (an off-by-one); here the 3rd frame of every window is compared with its 1st.
+  never pruned (an off-by-one); here the 3rd frame of every window is compared with its 1st. Its pair loop
+  (`range(0, F - 1, 2)`) never appends the last of an odd number of frames, which is lost; here it is kept as the
+  window rule says (a window's 1st frame, or its 3rd). With fewer than 5 frames the reference fails (torch.stack
+  of an empty list); here any number of pairs works.
 - Pruned tokens are dropped, as in the reference, which discards them despite the name "merging". Kept tokens keep
   their own M-RoPE positions and order. The reference reorders a frame's kept tokens by similarity (topk order).
 - Pairs whose grids (t, h, w) differ have no same-position correspondence. A token of such a pair is compared with

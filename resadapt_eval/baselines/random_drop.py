@@ -1,4 +1,11 @@
-"""Random Drop: keep a seeded uniform subset of the merged tokens, in their original order."""
+"""Random Drop: keep a seeded uniform subset of the merged tokens, in their original order.
+
+No canonical code: the rule is the usual baseline's, a uniform random subset of the visual tokens. The one
+deviation is that every frame pair keeps at least one token: one uniform token per pair is drawn first, then the
+rest uniformly from the other tokens. With one pair the subset is exactly uniform; with several, a subset's
+probability is proportional to the product of its per-pair counts (balanced subsets are slightly favoured over a
+uniform draw among the subsets that cover every pair). tests/test_fidelity_random_drop.py checks the draw and law.
+"""
 
 from __future__ import annotations
 

@@ -21,11 +21,13 @@ Deviations from the reference:
   w_f = 1 + sigma_f - mean(sigma) and s_f its tokens (for equal pairs exactly the reference's
   R w_f s_f with R = keep / N); a quota above s_f is capped and the excess shared over the other pairs
   in proportion to their quotas (the reference clips it away); quotas become integers by floor plus
-  largest remainder (ties to the earlier pair) instead of rounding each; a pair left with 0 gets 1,
-  taken from the largest budget (the reference's max(1, .) adds it to the total instead).
+  largest remainder (ties, remainders equal to 9 decimals, to the earlier pair) instead of rounding
+  each; a pair left with 0 gets 1, taken from the largest budget (the reference's max(1, .) adds it to
+  the total instead).
 - Pairs may differ in size (per-frame resolutions); the video mean is over all tokens.
-- Scores in float32; ties in channel variance or token score go to the lower index (the reference's
-  topk leaves them unspecified).
+- Scores in float64 (T = 0.01 magnifies float32 rounding of the frame uniqueness into the budgets);
+  ties in channel variance or token score go to the lower index (the reference's topk leaves them
+  unspecified).
 """
 
 from __future__ import annotations
@@ -66,8 +68,10 @@ def similarities(feats: torch.Tensor, starts: list[int], sizes: list[int]) -> tu
 
 def frame_weights(to_video: torch.Tensor, starts: list[int], sizes: list[int]) -> torch.Tensor:
     """Frame Compression Adjustment: w_f = 1 + sigma_f - mean(sigma), sigma = softmax(u / T) of the
-    frame uniqueness u_f = -mean over the frame of the similarity to the video, (F,)."""
-    uniqueness = torch.stack([-to_video[s : s + n].mean() for s, n in zip(starts, sizes)])
+    frame uniqueness u_f = -mean over the frame of the similarity to the video, (F,), in float64: with
+    T = 0.01 the less unique frames' sigma is often below float32's resolution of 1 + sigma, and the
+    budgets' largest remainders would then be decided by rounding instead of by sigma."""
+    uniqueness = torch.stack([-to_video[s : s + n].mean() for s, n in zip(starts, sizes)]).double()
     sigma = F.softmax((uniqueness - uniqueness.max()) / TEMPERATURE, dim=0)
     return 1 + sigma - sigma.mean()
 
@@ -87,7 +91,9 @@ def frame_budgets(weights: torch.Tensor, sizes: list[int], keep: int) -> list[in
             break
         capped |= over
     budget = [min(n, int(q)) for n, q in zip(sizes, quota.tolist())]
-    remainder = [q - b for q, b in zip(quota.tolist(), budget)]
+    # remainders equal in exact arithmetic (e.g. 1/3 of 4/3 and of 10/3 when sigma is one-hot) differ by
+    # rounding: compare them to 9 decimals, so that such ties go to the earlier frame
+    remainder = [round(q - b, 9) for q, b in zip(quota.tolist(), budget)]
     for f in sorted(range(len(sizes)), key=lambda f: -remainder[f]):  # stable: earlier frame first
         if sum(budget) == keep:
             break
@@ -112,7 +118,8 @@ def compress(tokens: VisualTokens, keep: int, seed: int = 0) -> Compression:
     if keep == n:
         return Compression(torch.arange(n))
     starts, sizes = tokens.pair_starts, tokens.pair_sizes
-    feats = F.normalize(low_variance_channels(tokens.features.float()), dim=-1)
+    # float64: the frame weights' softmax at T = 0.01 turns score rounding into budget changes
+    feats = F.normalize(low_variance_channels(tokens.features.double()), dim=-1)
     to_video, to_frame = similarities(feats, starts, sizes)
     budget = frame_budgets(frame_weights(to_video, starts, sizes), sizes, keep)
     score = (to_video + to_frame).cpu()
