@@ -49,6 +49,8 @@ Deviations from the reference:
   the reference's max(beta, 1 / (n + 1)) weight on the anchor (beta = 0.6).
 - Determinism: equal densities are ordered by token index (the reference adds 1e-6 random noise);
   top-k ties go to the lower index. With fewer than c - 1 transitions, every transition is a cut.
+  A frame with fewer than 4 non-salient tokens reads its density over all of them (the reference's
+  frames always have more).
 - A segment without contextual budget drops its non-salient tokens (as the reference does when
   int(k d) = 0).
 """

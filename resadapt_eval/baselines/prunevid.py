@@ -53,6 +53,8 @@ Deviations from the reference:
   runs of consecutive pairs with the same grid.
 - DPC-KNN's random density jitter (rand * 1e-6) is replaced by a tie-break on token index (the lower index counts
   as denser, and wins ties in score), and k is min(7, count). The output is deterministic, and `seed` is unused.
+- Fewer than 4 pairs still form one temporal cluster (the reference's int(0.25 * frames) would be 0; it always
+  has 16 frames).
 """
 
 from __future__ import annotations
@@ -179,6 +181,7 @@ def compress(tokens: VisualTokens, keep: int, seed: int = 0) -> Compression:
     # token is the mean of its position over the segment and sits in the segment's first pair
     groups = []
     for seg, positions in zip(segments, static):
+        positions = sorted(positions)  # in position order (as the reference's masked_select), for the index tie-break
         if positions:
             feats = segment_frames(tokens, seg)[:, positions].mean(dim=0)
             members = [[starts[p] + pos for p in seg] for pos in positions]

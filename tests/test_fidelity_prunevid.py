@@ -1,0 +1,407 @@
+"""Fidelity of PruneVid (issue 30): the reference's rules, written out here, run against our port on the
+same random tensors.
+
+Reference: Visual-AI/PruneVid@b12600c, models/pllava/modeling_pllava.py (`cluster_dpc_knn` :111-169,
+`segment_lengths` :184-211, `refine_clusters` :213-316, `compute_cluster_vectors` :714-757,
+`spatial_merge_tokens` :759-762, `merge_frames_dynamic` :764-827), models/pllava/elastic_cache.py
+(`VTPWindowCache` :108-207) and models/pllava/llama.py :1417-1462 (the LLM stage after layer
+`selected_layer`); defaults from scripts/eval.sh :8-12 (selected_layer 10, alpha 0.4, tau 0.8,
+temporal_segment_ratio 0.25, cluster_ratio 0.5).
+
+Every deviation documented in `resadapt_eval/baselines/prunevid.py` is applied to the reference rule below
+(each is named where it is applied); everything else is the reference's rule.
+"""
+
+import math
+from dataclasses import replace
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from resadapt_eval.baselines import prunevid
+from resadapt_eval.baselines.common import VisualTokens, merge_groups, per_pair_budget
+from resadapt_eval.baselines.inside_llm import TEXT_AFTER_VISUAL, LayerPruner, Stage
+
+TAU, SEGMENT_RATIO, KNN, ALPHA = 0.8, 0.25, 7, 0.4  # scripts/eval.sh :10-11, modeling_pllava.py :768, :797, :808
+CASES = 24  # random cases per setting
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Tiny tensors: one thread is much faster (and steadier on a shared machine) than several."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+# ---- the reference's vision side, written out ----
+
+
+def ref_dpc_knn(x: torch.Tensor, num_clusters: int) -> list[int]:
+    """modeling_pllava.py :111-169 on one batch row: the centre (row index) each row joins.
+    Deviations (documented): k = min(7, n) (the reference's topk needs n >= 7); the random density jitter
+    (:143-144) is replaced by a tie-break on the row index (the lower index is denser, and wins score ties)."""
+    x = x.float()
+    n, c = x.shape
+    dist = torch.cdist(x, x) / (c**0.5)  # :129
+    nearest = torch.topk(dist, k=min(KNN, n), dim=-1, largest=False).values  # :140
+    density = (-(nearest**2).mean(dim=-1)).exp()  # :141
+    rho = density.tolist()
+    # :151 mask[i, j]: row j is denser than row i (ties: the lower index)
+    mask = torch.tensor(
+        [[rho[j] > rho[i] or (rho[j] == rho[i] and j < i) for j in range(n)] for i in range(n)], dtype=x.dtype
+    )
+    dist_max = dist.max()  # :153
+    delta = (dist * mask + dist_max * (1 - mask)).min(dim=-1).values  # :154
+    score = (delta * density).tolist()  # :157
+    centres = sorted(range(n), key=lambda i: (-score[i], i))[:num_clusters]  # :158
+    # :160-163: each row joins the centre of least distance (centre rows of dist; first centre on ties)
+    owner = [centres[min(range(len(centres)), key=lambda k: (float(dist[centres[k], i]), k))] for i in range(n)]
+    for centre in centres:  # :165-168: a centre joins itself
+        owner[centre] = centre
+    return owner
+
+
+def ref_refine_clusters(labels: list[int]) -> list[int]:
+    """modeling_pllava.py :213-316 on one batch row."""
+    n, refined = len(labels), list(labels)
+    for label in sorted(set(labels)):  # step 1 (:229-249): the cluster's runs of consecutive frames
+        frames = [i for i in range(n) if labels[i] == label]
+        runs, start, prev = [], frames[0], frames[0]
+        for i in frames[1:]:
+            if i == prev + 1:
+                prev = i
+            else:
+                runs.append((start, prev))
+                start = prev = i
+        runs.append((start, prev))
+        longest = max(e - s + 1 for s, e in runs)  # step 2 (:251-270): keep the longest run(s), unless single frames
+        for s, e in runs:
+            if longest == 1 or e - s + 1 < longest:
+                refined[s : e + 1] = [-1] * (e - s + 1)
+    i = 0
+    while i < n:  # step 3 (:272-315): a released run joins the longer neighbouring run, the left on ties
+        if refined[i] != -1:
+            i += 1
+            continue
+        start = i
+        while i < n and refined[i] == -1:
+            i += 1
+        end = i - 1
+        left_label, left_length, right_label, right_length = None, 0, None, 0
+        if start > 0:
+            left_label, j = refined[start - 1], start - 1
+            while j >= 0 and refined[j] == left_label:
+                j -= 1
+            left_length = start - j - 1
+        if end < n - 1:
+            right_label, j = refined[end + 1], end + 1
+            while j < n and refined[j] == right_label:
+                j += 1
+            right_length = j - end - 1
+        if left_length > right_length:
+            new = left_label
+        elif right_length > left_length:
+            new = right_label
+        else:
+            new = left_label if left_label is not None else right_label
+        refined[start : end + 1] = [0 if new is None else new] * (end - start + 1)
+    return refined
+
+
+def ref_segment_lengths(labels: list[int]) -> list[int]:
+    """modeling_pllava.py :184-211: lengths of the runs of equal labels."""
+    lengths = [1]
+    for a, b in zip(labels, labels[1:]):
+        if a == b:
+            lengths[-1] += 1
+        else:
+            lengths.append(1)
+    return lengths
+
+
+def ref_segments(features: torch.Tensor, sizes: list[int], grids: list[tuple]) -> list[list[int]]:
+    """The temporal segments of `merge_frames_dynamic` (modeling_pllava.py :768-770), as lists of pair indices."""
+    starts = [sum(sizes[:p]) for p in range(len(sizes))]
+    num_pairs = len(sizes)
+    means = torch.stack([features[s : s + n].mean(dim=0) for s, n in zip(starts, sizes)])  # :768 frames.mean(dim=2)
+    # :768 int(num_frames * 0.25) clusters, at least one (with fewer than 4 pairs the reference asks for none)
+    labels = ref_dpc_knn(means, max(1, int(num_pairs * SEGMENT_RATIO)))
+    windows, first = [], 0
+    for length in ref_segment_lengths(ref_refine_clusters(labels)):  # :769-770
+        windows.append(list(range(first, first + length)))
+        first += length
+    segments = []  # deviation: a window is split where the pairs' grid changes
+    for window in windows:
+        for p in window:
+            if p == window[0] or grids[p] != grids[p - 1]:
+                segments.append([])
+            segments[-1].append(p)
+    return segments
+
+
+def ref_prunevid(features: torch.Tensor, sizes: list[int], grids: list[tuple], keep: int):
+    """`merge_frames_dynamic` (modeling_pllava.py :764-827) with our documented deviations applied. Returns the
+    assignment (each token's destination) and {destination: merged feature} (float64)."""
+    starts = [sum(sizes[:p]) for p in range(len(sizes))]
+    segments = ref_segments(features, sizes, grids)
+    candidates = []  # :785-790: the mean pairwise cosine of each position over the window's frames, above tau
+    for s, seg in enumerate(segments):
+        w = len(seg)
+        if w == 1:  # the reference divides by w (w - 1) = 0: NaN, never above tau
+            continue
+        unit = F.normalize(torch.stack([features[starts[p] : starts[p] + sizes[p]] for p in seg]), dim=-1)
+        sim = (torch.einsum("wlc,tlc->wtl", unit, unit).sum(dim=1) - 1).sum(dim=0) / (w * (w - 1))  # :786-787
+        candidates += [(v, s, pos) for pos, v in enumerate(sim.tolist()) if v > TAU]
+    # deviation (budget): candidates merged most similar first, skipping a merge that would leave fewer than `keep`
+    # tokens, make a segment's last dynamic position static, or make the groups outnumber `keep`
+    static: list[list[int]] = [[] for _ in segments]
+    count, groups_count = sum(sizes), len(sizes)
+    for _, s, pos in sorted(candidates, key=lambda c: (-c[0], c[1], c[2])):
+        saved, new_group = len(segments[s]) - 1, 0 if static[s] else 1
+        if len(static[s]) + 1 < sizes[segments[s][0]] and count - saved >= keep and groups_count + new_group <= keep:
+            static[s].append(pos)
+            count, groups_count = count - saved, groups_count + new_group
+
+    # :793-814: per segment its static tokens (temporal means, :795) and each frame's dynamic tokens; each set is
+    # clustered (:796-808); deviation: `keep` split over the sets by `per_pair_budget` in place of the 0.5 ratio, no
+    # exemption for sets of at most 14 tokens, and a static token sits at its position in the segment's first pair
+    groups = []  # (features of the items, destination of each item, member tokens of each item)
+    for seg, positions in zip(segments, static):
+        positions = sorted(positions)  # masked_select keeps the position order
+        if positions:
+            frames = torch.stack([features[starts[p] : starts[p] + sizes[p]] for p in seg])
+            members = [[starts[p] + pos for p in seg] for pos in positions]
+            groups.append((frames[:, positions].mean(dim=0), [m[0] for m in members], members))
+        for p in seg:
+            dynamic = [starts[p] + pos for pos in range(sizes[p]) if pos not in positions]
+            groups.append((features[dynamic], dynamic, [[i] for i in dynamic]))
+    assignment, merged = list(range(sum(sizes))), {}
+    for (feats, destination, members), k in zip(groups, per_pair_budget([len(g[1]) for g in groups], keep)):
+        owner = list(range(len(destination))) if k == len(destination) else ref_dpc_knn(feats, k)
+        for centre in sorted(set(owner)):
+            items = [i for i in range(len(owner)) if owner[i] == centre]
+            merged[destination[centre]] = feats[items].mean(dim=0)  # compute_cluster_vectors :745-751
+            for i in items:
+                for token in members[i]:
+                    assignment[token] = destination[centre]
+    return assignment, merged
+
+
+# ---- random videos ----
+
+
+def random_video(g: torch.Generator, grids: list[tuple], ties: bool = False, dim: int = 12) -> VisualTokens:
+    """Scenes of static backgrounds: each position has a base vector and a noise level (low: static, high:
+    dynamic), a new scene redraws them; with `ties`, a position repeats its neighbour's token and some pairs repeat
+    the one before (letterboxes, frozen frames), so DPC-KNN meets equal densities and distances."""
+    sizes = [t * h * w for t, h, w in grids]
+    width = max(sizes)
+    feats, base, level = [], None, None
+    for p, n in enumerate(sizes):
+        if base is None or torch.rand((), generator=g) < 0.3:
+            base = torch.randn(width, dim, generator=g, dtype=torch.float64)
+            level = torch.where(
+                torch.rand(width, generator=g) < 0.5,
+                0.05 + 0.3 * torch.rand(width, generator=g),
+                0.8 + 2 * torch.rand(width, generator=g),
+            ).double()
+        frame = base[:n] + level[:n, None] * torch.randn(n, dim, generator=g, dtype=torch.float64)
+        if ties:
+            frame[1:n:3] = frame[0 : n - 1 : 3][: len(frame[1:n:3])]
+            if p > 0 and sizes[p - 1] == n and torch.rand((), generator=g) < 0.3:  # a nearly frozen frame
+                frame = feats[-1] + 0.05 * torch.randn(n, dim, generator=g, dtype=torch.float64)
+        feats.append(frame)
+    return VisualTokens(torch.cat(feats), sizes, list(grids))
+
+
+SETTINGS = {
+    "8 pairs x 6 (even)": [(1, 2, 3)] * 8,
+    "6 pairs x 9 (odd)": [(1, 3, 3)] * 6,
+    "3 pairs x 15 (odd, < 4 pairs)": [(1, 3, 5)] * 3,
+    "12 pairs x 4": [(1, 2, 2)] * 12,
+    "grid changes": [(1, 2, 3)] * 3 + [(1, 3, 3)] * 4 + [(1, 2, 3)] * 2,
+}
+
+
+def budgets(g: torch.Generator, num_pairs: int, total: int) -> list[int]:
+    """One budget per case: the edges (one token per pair, all but one) and random ones between."""
+    rand = torch.randint(num_pairs, total, (CASES,), generator=g).tolist()
+    return [num_pairs, total - 1] + rand[2:]
+
+
+@pytest.mark.parametrize("ties", [False, True], ids=["distinct", "ties"])
+@pytest.mark.parametrize("setting", list(SETTINGS))
+def test_fidelity_prunevid_vision_side_matches_the_reference(setting, ties):
+    grids = SETTINGS[setting]
+    g = torch.Generator().manual_seed(2 * list(SETTINGS).index(setting) + ties)
+    total = sum(t * h * w for t, h, w in grids)
+    for keep in budgets(g, len(grids), total):
+        tokens = random_video(g, grids, ties)
+        expected, expected_features = ref_prunevid(tokens.features, tokens.pair_sizes, tokens.grids, keep)
+        ours = prunevid.compress(tokens, keep)
+        assert ours.assignment.tolist() == expected, (setting, keep)
+        destinations, _, (merged,) = merge_groups(ours, tokens.features)
+        assert destinations.tolist() == sorted(expected_features)
+        reference = torch.stack([expected_features[d] for d in destinations.tolist()])
+        assert merged.dtype == torch.float64
+        torch.testing.assert_close(merged, reference, atol=1e-6, rtol=0)
+
+
+def test_fidelity_prunevid_temporal_segments_with_frozen_frames():
+    """Frozen pairs (exact repeats) give equal pair means, so the temporal DPC-KNN meets equal densities and
+    distances: the lower pair index wins (the documented tie-break)."""
+    g = torch.Generator().manual_seed(11)
+    for case in range(2 * CASES):
+        num_pairs = int(torch.randint(1, 17, (), generator=g))
+        grids = [(1, 2, 3) if case % 3 or p < num_pairs // 2 else (1, 3, 3) for p in range(num_pairs)]
+        tokens = random_video(g, grids)
+        sizes, starts = tokens.pair_sizes, tokens.pair_starts
+        for p in range(1, num_pairs):
+            if sizes[p] == sizes[p - 1] and torch.rand((), generator=g) < 0.4:
+                tokens.features[starts[p] : starts[p] + sizes[p]] = tokens.features[starts[p - 1] : starts[p]]
+        assert prunevid.temporal_segments(tokens) == ref_segments(tokens.features, sizes, grids), case
+
+
+def test_fidelity_prunevid_refinement_and_dpc_knn_on_their_own():
+    """The segmentation pieces on random labels and points, where equal labels / densities are common."""
+    g = torch.Generator().manual_seed(7)
+    for _ in range(200):
+        n = int(torch.randint(1, 17, (), generator=g))
+        labels = torch.randint(0, int(torch.randint(1, 5, (), generator=g)), (n,), generator=g).tolist()
+        ours = prunevid.refine_clusters(labels)
+        ref = ref_refine_clusters(labels)
+        # same partition into runs (the labels themselves are the clusters' names)
+        assert ref_segment_lengths(ours) == ref_segment_lengths(ref)
+    for _ in range(60):
+        n = int(torch.randint(1, 30, (), generator=g))
+        x = torch.randn(n, 5, generator=g, dtype=torch.float64).round(decimals=0)  # coarse values: many ties
+        clusters = int(torch.randint(1, n + 1, (), generator=g))
+        assert prunevid.dpc_knn(x, clusters).tolist() == ref_dpc_knn(x, clusters)
+
+
+# ---- the stage inside the LLM ----
+
+BACKBONES = ["qwen25vl", "qwen3vl"]
+
+
+def build_text_models(fixtures_dir) -> dict:
+    """Each tiny backbone's decoder stack with random float64 weights and eager attention (the reference reads the
+    eager attention map), with the first layer a stage may start at."""
+    from transformers import AutoConfig
+    from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VLTextModel
+    from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLTextModel
+
+    models = {}
+    for name, cls in (("qwen25vl", Qwen2_5_VLTextModel), ("qwen3vl", Qwen3VLTextModel)):
+        config = AutoConfig.from_pretrained(str(fixtures_dir / name))
+        text = config.text_config
+        text._attn_implementation = "eager"
+        torch.manual_seed(0)
+        first = len(getattr(config.vision_config, "deepstack_visual_indexes", None) or ())
+        models[name] = (cls(text).double().eval(), first)
+    return models
+
+
+@pytest.fixture(scope="module")
+def text_models(fixtures_dir):
+    return build_text_models(fixtures_dir)
+
+
+class Reached(Exception):
+    """Stops a forward at the layer under test (the later layers do not matter)."""
+
+
+def plain_run(model, embeds: torch.Tensor, layer: int):
+    """The unpruned forward: the eager attention map of layer `layer - 1` (1, H, L, L) and the hidden states
+    entering layer `layer` (1, L, D), what the reference's stage reads."""
+    seen = {}
+
+    def attention(module, args, output):
+        seen["attention"] = output[1]
+
+    def reached(module, args, kwargs):
+        seen["hidden"] = (args[0] if args else kwargs["hidden_states"]).clone()
+        raise Reached
+
+    handles = [
+        model.layers[layer - 1].self_attn.register_forward_hook(attention),
+        model.layers[layer].register_forward_pre_hook(reached, with_kwargs=True),
+    ]
+    try:
+        with torch.no_grad(), pytest.raises(Reached):
+            model(inputs_embeds=embeds)
+    finally:
+        for handle in handles:
+            handle.remove()
+    return seen["attention"], seen["hidden"]
+
+
+def pruned_run(model, embeds: torch.Tensor, stage: Stage, visual: torch.Tensor):
+    """Our `LayerPruner` on the same input: the prompt indices layer `stage.layer` sees and its input hidden states."""
+    pruner, seen = LayerPruner(model, [stage], visual), {}
+
+    def reached(module, args, kwargs):
+        seen["hidden"] = (args[0] if args else kwargs["hidden_states"]).clone()
+        raise Reached
+
+    with torch.no_grad(), pruner.attached():  # registered after the pruner's hook: sees its output
+        handle = model.layers[stage.layer].register_forward_pre_hook(reached, with_kwargs=True)
+        try:
+            with pytest.raises(Reached):
+                model(inputs_embeds=embeds)
+        finally:
+            handle.remove()
+    return pruner.kept_by_layer[stage.layer], seen["hidden"]
+
+
+def random_prompt(g: torch.Generator, width: int, visual: int):
+    """(1, L, width) random embeddings: a few text tokens, `visual` visual tokens, then the question's tokens."""
+    before, after = int(torch.randint(1, 5, (), generator=g)), int(torch.randint(2, 7, (), generator=g))
+    embeds = torch.randn(1, before + visual + after, width, generator=g, dtype=torch.float64)
+    return embeds, torch.arange(before, before + visual)
+
+
+def test_fidelity_prunevid_stage_schedule():
+    """The stage's place and size: after layer 10 of 32 (the first layer without the pruned tokens is 11,
+    llama.py :1457-1461), at the same relative depth (deviation: round(11 L / 32), not before `first_layer`), keeping
+    floor(max(alpha, R) n) of the n tokens that entered (deviation: over all of them, R where larger)."""
+    g = torch.Generator().manual_seed(3)
+    for _ in range(40):
+        layers = int(torch.randint(4, 49, (), generator=g))
+        first = int(torch.randint(0, 4, (), generator=g))
+        n = int(torch.randint(1, 3000, (), generator=g))
+        retention = float(torch.randint(1, 101, (), generator=g)) / 100
+        (stage,) = prunevid.stages(layers, n, retention, None, first)
+        assert stage.layer == min(layers - 1, max(first, 1, round(11 * layers / 32)))
+        assert stage.keep == min(n, max(1, math.floor(max(ALPHA, retention) * n + 1e-9)))
+        assert stage.rank_by == TEXT_AFTER_VISUAL and not stage.merge
+    assert prunevid.stages(32, 1000, 0.1)[0] == Stage(11, 400, rank_by=TEXT_AFTER_VISUAL)
+
+
+@pytest.mark.parametrize("visual", [15, 16])
+@pytest.mark.parametrize("backbone", BACKBONES)
+def test_fidelity_prunevid_stage_inside_the_llm_matches_the_reference(text_models, backbone, visual):
+    """VTPWindowCache (elastic_cache.py :120-199) on the eager attention map of the layer before the stage: the
+    text tokens after the video attend to the visual tokens (:157-168), max over heads, then over those tokens
+    (:125); the top tokens stay, in their order (:173-177), and the later layers see only them (:180-199).
+    Deviation: the top `keep` over all visual tokens (the reference keeps int(alpha size) within each static group
+    and each frame's dynamic tokens, which the merged tokens no longer carry)."""
+    model, first = text_models[backbone]
+    (stage,) = prunevid.stages(len(model.layers), visual, 0.4, None, first)
+    g = torch.Generator().manual_seed(visual + 100 * BACKBONES.index(backbone))
+    for case in range(CASES):
+        keep = [1, visual - 1][case] if case < 2 else int(torch.randint(1, visual, (), generator=g))
+        embeds, positions = random_prompt(g, model.config.hidden_size, visual)
+        attention, hidden = plain_run(model, embeds, stage.layer)
+        img_start, img_end = int(positions[0]), int(positions[-1])
+        text_to_image = attention[:, :, img_end + 1 :, img_start : img_end + 1]  # :163
+        scores = text_to_image[0].max(dim=0)[0].max(dim=0)[0]  # :125
+        top = torch.topk(scores, k=keep).indices  # :137 / :143, one group (deviation)
+        image = (top + img_start).sort().values  # :175-177
+        index_list = torch.cat([torch.arange(img_start), image, torch.arange(img_end + 1, embeds.shape[1])])  # :180-182
+        kept, ours = pruned_run(model, embeds, replace(stage, keep=keep), positions)
+        assert kept.tolist() == index_list.tolist(), (backbone, visual, keep)
+        torch.testing.assert_close(ours, hidden[:, index_list], atol=1e-6, rtol=0)  # :187 hidden_states[:, index_list]
