@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from resadapt_eval.baselines import fastvid
-from resadapt_eval.baselines.common import DROPPED, VisualTokens, per_pair_budget
+from resadapt_eval.baselines.common import DROPPED, VisualTokens, merge_groups, per_pair_budget
 
 # 14 pairs of 6 tokens (grid 1 x 2 x 3), 4-d features: a scene vector plus an irregular pattern.
 A, B, C, D = (4.0, 0, 0, 0), (0, 4.0, 0, 0), (0, 0, 4.0, 0), (0, 0, 0, 4.0)
@@ -158,6 +158,33 @@ def test_fixed_video_matches_rule(keep, kept_per_pair):
     assert [int(((kept >= 6 * p) & (kept < 6 * p + 6)).sum()) for p in range(14)] == kept_per_pair
     assert len(kept) == keep
     assert any(d not in (DROPPED, i) for i, d in enumerate(expected))  # some tokens were merged
+
+
+@pytest.mark.parametrize("keep", [42, 70])
+def test_merged_features_weigh_the_anchor_by_beta(keep):
+    # DTM merge: an anchor a gathering n tokens (itself included) becomes w a + (1 - w) x their mean,
+    # w = max(beta, 1 / (n + 1)) = 0.6; a salient token (or a lone anchor) stays as it is.
+    tokens = video()
+    feats = tokens.features.double()
+    groups = {}
+    for i, d in enumerate(fastvid_by_hand(feats.tolist(), tokens.received_attention.tolist(), tokens.pair_sizes, keep)):
+        if d != DROPPED:
+            groups.setdefault(d, []).append(i)
+    assert max(len(m) for m in groups.values()) >= 3
+    expected = []
+    for d in sorted(groups):
+        n = len(groups[d])
+        w = max(0.6, 1 / (n + 1))
+        mean = [sum(feats[i][c].item() for i in groups[d]) / n for c in range(4)]
+        expected.append([w * feats[d][c].item() + (1 - w) * mean[c] for c in range(4)])
+    destinations, _, (merged,) = merge_groups(fastvid.compress(tokens, keep), feats)
+    assert destinations.tolist() == sorted(groups)
+    torch.testing.assert_close(merged, torch.tensor(expected, dtype=torch.float64), atol=1e-9, rtol=0)
+    # a group of two: the anchor weighs 0.6 + 0.4 / 2 = 0.8, its member 0.2
+    pair = next(d for d in sorted(groups) if len(groups[d]) == 2)
+    other = next(i for i in groups[pair] if i != pair)
+    row = destinations.tolist().index(pair)
+    torch.testing.assert_close(merged[row], 0.8 * feats[pair] + 0.2 * feats[other], atol=1e-9, rtol=0)
 
 
 @pytest.mark.parametrize("keep", [14, 15, 30, 42, 57, 70, 83, 84])

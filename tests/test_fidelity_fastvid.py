@@ -4,9 +4,9 @@ random tensors.
 Reference: LunarShen/FastVID@a40a109, the FastVID block of `Qwen2Model.forward` in
 fastvid_llavaonevision/LLaVA-NeXT/llava/model/language_model/modeling_qwen2.py :900-1075 (DySeg :912-922,
 STPrune budgets :932-952, ATS :954-962, density :964-989, DTM of single-frame segments :991-1017 and of
-multi-frame segments :1019-1059), the frame global feature of the Qwen2.5-VL port
-(fastvid_qwen25vl/lmms-eval/lmms_eval/models/qwenvlutils/modeling_qwen2_5_vl.py :1836) and the hyper-parameters
-of fastvid_qwen25vl/scripts/eval.sh :7-13 (c = 8, tau = 0.84, d = 0.4, p = 4).
+multi-frame segments :1019-1059, its beta-weighted merge :1003-1008 / :1051-1056), the frame global feature of
+the Qwen2.5-VL port (fastvid_qwen25vl/lmms-eval/lmms_eval/models/qwenvlutils/modeling_qwen2_5_vl.py :1836) and
+the hyper-parameters of fastvid_qwen25vl/scripts/eval.sh :7-13 (c = 8, tau = 0.84, d = 0.4, p = 4, beta = 0.6).
 
 Every deviation documented in `resadapt_eval/baselines/fastvid.py` is applied to the reference rule below (each is
 named where it is applied); everything else is the reference's rule.
@@ -20,7 +20,7 @@ import torch
 from resadapt_eval.baselines import fastvid
 from resadapt_eval.baselines.common import DROPPED, VisualTokens, merge_groups, per_pair_budget
 
-C, TAU, D, P = 8, 0.84, 0.4, 4  # eval.sh :8-12
+C, TAU, D, P, BETA = 8, 0.84, 0.4, 4, 0.6  # eval.sh :8-13
 KNN = 4  # modeling_qwen2.py :977, the token itself included
 CASES = 24  # random cases per setting
 
@@ -86,7 +86,7 @@ def ref_fastvid(tokens: VisualTokens, keep: int):
     unit = features.float()
     unit = unit / unit.norm(dim=-1, keepdim=True)  # :996, :1044-1045
     budget = per_pair_budget(sizes, keep)  # deviation: keep split over the pairs (the reference: int(n R) each, :932)
-    assignment, groups = [DROPPED] * sum(sizes), {}
+    assignment, groups, anchor_tokens = [DROPPED] * sum(sizes), {}, set()
     for segment in ref_segments(features, sizes):
         # :932-938 with a pair's budget k: floor(d k) contextual, the rest salient
         contextual = [math.floor(budget[p] * D) for p in segment]
@@ -109,7 +109,7 @@ def ref_fastvid(tokens: VisualTokens, keep: int):
             values = attention[index].tolist()
             # ATS (:955): the most attended tokens (deviation: ties to the lower index)
             top = {index[i] for i in sorted(range(len(index)), key=lambda i: (-values[i], i))[: salient[j]]}
-            for i in top:
+            for i in top:  # a salient token goes in unchanged (:958, :961)
                 assignment[i], groups[i] = i, [i]
             others = [i for i in index if i not in top]  # :965-968, in token order
             if anchors[j]:  # :989 / :1039: the anchor tokens are the density peaks of the non-salient tokens
@@ -124,14 +124,26 @@ def ref_fastvid(tokens: VisualTokens, keep: int):
         similarity = (unit[non_salient] @ unit[targets].T).tolist()  # :999 / :1047, one matrix product
         for t in targets:
             assignment[t], groups[t] = t, [t]
+            anchor_tokens.add(t)
         for i, row in zip(non_salient, similarity):
             if i not in groups:
                 t = targets[max(range(len(targets)), key=lambda k: (row[k], -k))]  # argmax: the first on ties
                 assignment[i] = t
                 groups[t].append(i)
-    # deviation: a group's feature is the plain mean of its members (the reference weighs the anchor by
-    # max(beta, 1 / (n + 1)), :1003-1008 / :1051-1056)
-    return assignment, {t: features[members].mean(dim=0) for t, members in groups.items()}
+    merged = {}
+    for t, members in groups.items():
+        if t not in anchor_tokens:  # salient
+            merged[t] = features[t]
+            continue
+        # DTM merge (:1003-1008 single-frame, :1051-1056 multi-frame, the same rule): n = the tokens matched to the
+        # anchor (assign_one_hot.sum, the anchor itself among them, :1003 / :1051), w = max(beta, 1 / (n + 1)),
+        # feature = w anchor + (1 - w) mean of the n (:1005-1008 / :1053-1056). Deviation (one assignment): n
+        # counts the members the one anchor over all anchor frames gathers.
+        n = len(members)
+        w = max(BETA, 1 / (n + 1))
+        mean = features[members].sum(dim=0) / max(n, 1)  # counts.clamp(min=1), :1005 / :1053
+        merged[t] = w * features[t] + (1 - w) * mean
+    return assignment, merged
 
 
 # ---- random videos ----

@@ -5,8 +5,9 @@ Reference: cokeshao/HoliTom@e9b2972, holitom/llava_arch.py (`cluster_dpc_knn` :2
 :53-98, `merge_tokens_by_clustering` :100-150, `merge_tokens_by_attention_density` :152-197,
 `merge_tokens_by_density` :199-214, `holitom` :234-276, `get_static_dynamic_features` :278-312, the video branch
 of `prepare_inputs_labels_for_multimodal` :347-404) and holitom/modeling_qwen2.py :121-211 (the inner-LLM merge);
-defaults from scripts/eval_ov-7b_holitom.sh :12 (T = 0.80, HOLITOM_k = 18, HOLITOM_r = 0.5) and llava_arch.py
-:352-356 (D = 0, K = 7, MAX_WINDOW_SIZE = 1024).
+defaults from scripts/eval_ov-7b_holitom.sh :2-74 (T = 0.65 at RETAIN_RATIO = 0.10, T = 0.80 at 0.15, 0.20, 0.25;
+HOLITOM_k = 18, HOLITOM_r = 0.5) and llava_arch.py :352-355 (BETA = 0.6, D = 0, K = 7, MAX_WINDOW_SIZE = 1024); the
+beta merge is the default branch of :137 (NO_BETA unset in every script).
 
 Every deviation documented in `resadapt_eval/baselines/holitom.py` is applied to the reference rule below (each is
 named where it is applied); everything else is the reference's rule.
@@ -14,6 +15,7 @@ named where it is applied); everything else is the reference's rule.
 
 import math
 from dataclasses import replace
+from fractions import Fraction
 
 import pytest
 import torch
@@ -25,7 +27,9 @@ from resadapt_eval.baselines.inside_llm import LAST_TOKEN, Stage
 
 from .test_fidelity_prunevid import BACKBONES, build_text_models, plain_run, pruned_run, random_prompt, random_video
 
-TAU, K, MAX_WINDOW = 0.8, 7, 1024  # eval_ov-7b_holitom.sh T=0.80; llava_arch.py :354-355
+K, MAX_WINDOW, BETA = 7, 1024, 0.6  # llava_arch.py :354-355, :352
+# eval_ov-7b_holitom.sh: RETAIN_RATIO -> T (:2, :12, :22, :32; the same without inner merging, :44-74)
+T_BY_RETAIN_RATIO = {Fraction(10, 100): 0.65, Fraction(15, 100): 0.80, Fraction(20, 100): 0.80, Fraction(25, 100): 0.80}
 INNER_K, INNER_LAYERS, INNER_R = 18, 28, 0.5  # eval_ov-7b_holitom.sh HOLITOM_k=18 (of 28 layers), HOLITOM_r=0.5
 CASES = 24  # random cases per setting
 
@@ -75,7 +79,15 @@ def ref_chain(steps, first: int, last: int, position: int):
     return path, strength
 
 
-def ref_windows(steps, sizes):
+def ref_tau(keep: int, total: int) -> float:
+    """The scripts' T for their RETAIN_RATIO, the share of the video tokens entering the LLM (:348, :388-390), here
+    keep / N. Deviation: between and beyond the scripts' settings, the T of the nearest (equally near: the higher)."""
+    share = Fraction(keep, total)
+    nearest = min(T_BY_RETAIN_RATIO, key=lambda r: (abs(r - share), -r))
+    return T_BY_RETAIN_RATIO[nearest]
+
+
+def ref_windows(steps, sizes, tau):
     """select_static_windows (:53-98): pruned_static_count[s][e] = (e - s) x the positions static (cosine > tau) over
     every step s..e-1 (:55-66); the dynamic programme keeps a window [j + 1, i] only when it saves strictly more,
     shortest first (:75-87); backtracking (:89-95)."""
@@ -83,7 +95,7 @@ def ref_windows(steps, sizes):
     count = [[0] * n for _ in range(n)]
     for s in range(n):
         for e in range(s + 1, n):
-            static = sum(ref_chain(steps, s, e, pos)[1] > TAU for pos in range(sizes[s]))
+            static = sum(ref_chain(steps, s, e, pos)[1] > tau for pos in range(sizes[s]))
             count[s][e] = (e - s) * static
     dp, prev = [0] * n, [0] * n
     for i in range(n):
@@ -142,10 +154,11 @@ def ref_holitom(tokens: VisualTokens, keep: int):
     features, sizes, grids, attention = tokens.features, tokens.pair_sizes, tokens.grids, tokens.received_attention
     starts = [sum(sizes[:p]) for p in range(len(sizes))]
     steps = ref_step_similarity(features, sizes, grids, starts)
+    tau = ref_tau(keep, sum(sizes))
     windows = []  # get_static_dynamic_features (:278-312): each window's static positions (chains) and strengths
-    for first, last in ref_windows(steps, sizes):
+    for first, last in ref_windows(steps, sizes, tau):
         chains = [ref_chain(steps, first, last, pos) for pos in range(sizes[first])] if last > first else []
-        static = [(path, strength) for path, strength in chains if strength > TAU]  # :295-297
+        static = [(path, strength) for path, strength in chains if strength > tau]  # :295-297
         # deviation: a window keeps a token outside its chains in every pair (the weakest chains go back)
         excess = len(static) - (min(sizes[first : last + 1]) - 1)
         if excess > 0:
@@ -193,13 +206,16 @@ def ref_holitom(tokens: VisualTokens, keep: int):
             if i not in groups:
                 groups[targets[min(range(len(targets)), key=lambda j: (float(dist[i, targets[j]]), j))]].append(i)
         for t, members in groups.items():
-            # deviation: the group sits at its target's token in the window's first pair; its feature is the plain
-            # mean of the target and its members (the reference's NO_BETA=1 branch, :141-144)
+            # deviation: the group sits at its target's token in the window's first pair
             destination = tokens_of[t][0]
             for i in members:
                 for token in tokens_of[i]:
                     assignment[token] = destination
-            merged[destination] = means[members].mean(dim=0)
+            others = [i for i in members if i != t]
+            if others:  # :133-140 (NO_BETA unset): Beta x the target + (1 - Beta) x the mean of the cluster's members
+                merged[destination] = BETA * means[t] + (1 - BETA) * means[others].mean(dim=0)
+            else:  # :145-146: a target nobody joined stays as it is
+                merged[destination] = means[t]
     return assignment, merged
 
 
@@ -210,6 +226,7 @@ SETTINGS = {
     "6 pairs x 9 (odd)": [(1, 3, 3)] * 6,
     "2 pairs x 15 (odd)": [(1, 3, 5)] * 2,
     "12 pairs x 4": [(1, 2, 2)] * 12,
+    "4 pairs x 20 (budgets below N / 8)": [(1, 4, 5)] * 4,
     "grid changes": [(1, 2, 3)] * 3 + [(1, 3, 3)] * 2 + [(1, 3, 2)] * 2 + [(1, 2, 3)] * 2,
 }
 
@@ -228,8 +245,14 @@ def test_fidelity_holitom_outer_stage_matches_the_reference(setting, ties):
     grids = SETTINGS[setting]
     g = torch.Generator().manual_seed(2 * list(SETTINGS).index(setting) + ties)
     total, num_pairs = sum(t * h * w for t, h, w in grids), len(grids)
+    low = max(num_pairs, -(-total // 8) - 1)  # the budgets below N / 8 (T = 0.65), where there are any
     for case in range(CASES):
-        keep = [num_pairs, total - 1][case] if case < 2 else int(torch.randint(num_pairs, total, (), generator=g))
+        if case < 2:
+            keep = [num_pairs, total - 1][case]
+        elif case % 4 == 2:
+            keep = int(torch.randint(num_pairs, low + 1, (), generator=g))
+        else:
+            keep = int(torch.randint(num_pairs, total, (), generator=g))
         tokens = video(g, grids, ties)
         expected, expected_features = ref_holitom(tokens, keep)
         ours = holitom.compress(tokens, keep)
@@ -241,8 +264,9 @@ def test_fidelity_holitom_outer_stage_matches_the_reference(setting, ties):
         torch.testing.assert_close(merged, reference, atol=1e-6, rtol=0)
 
 
-def test_fidelity_holitom_windows_match_the_dynamic_programme():
-    """The segmentation alone, on videos of 1 to 16 pairs with many static positions."""
+@pytest.mark.parametrize("tau", [0.65, 0.8])
+def test_fidelity_holitom_windows_match_the_dynamic_programme(tau):
+    """The segmentation alone, on videos of 1 to 16 pairs with many static positions, at both of the scripts' T."""
     g = torch.Generator().manual_seed(5)
     for case in range(2 * CASES):
         num_pairs = int(torch.randint(1, 17, (), generator=g))
@@ -250,8 +274,15 @@ def test_fidelity_holitom_windows_match_the_dynamic_programme():
         tokens = video(g, grids, ties=False)
         starts, sizes = tokens.pair_starts, tokens.pair_sizes
         steps = holitom.step_matches(tokens, F.normalize(tokens.features.float(), dim=-1))
-        ours = holitom.temporal_segments(holitom.redundancy_gains(steps, sizes))
-        assert ours == ref_windows(ref_step_similarity(tokens.features, sizes, grids, starts), sizes), case
+        ours = holitom.temporal_segments(holitom.redundancy_gains(steps, sizes, tau))
+        assert ours == ref_windows(ref_step_similarity(tokens.features, sizes, grids, starts), sizes, tau), case
+
+
+def test_fidelity_holitom_tau_follows_the_scripts():
+    """T by the share of the tokens entering the LLM, at every budget of several video sizes."""
+    for total in (24, 30, 48, 54, 80, 100, 1001):
+        for keep in range(1, total + 1):
+            assert holitom.static_threshold(keep, total) == ref_tau(keep, total), (keep, total)
 
 
 # ---- the inner-LLM merge ----

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from resadapt_eval.baselines import holitom
-from resadapt_eval.baselines.common import DROPPED, VisualTokens
+from resadapt_eval.baselines.common import DROPPED, VisualTokens, merge_groups
 
 # 4 pairs of 6 tokens (grid 1 x 2 x 3); token = unit 2-d vector at an angle (degrees), so the cosine of
 # two tokens is the cosine of their angle difference.
@@ -70,7 +70,7 @@ def test_segmentation_by_dynamic_programming():
     assert segments_by_loops(sims) == [(0, 2), (3, 3)]
     tokens = video()
     steps = holitom.step_matches(tokens, torch.nn.functional.normalize(tokens.features, dim=-1))
-    gains = holitom.redundancy_gains(steps, tokens.pair_sizes)
+    gains = holitom.redundancy_gains(steps, tokens.pair_sizes, 0.8)
     assert [gains[0][1], gains[0][2], gains[0][3], gains[1][2], gains[1][3], gains[2][3]] == [3, 6, 3, 3, 2, 2]
     assert holitom.temporal_segments(gains) == [(0, 2), (3, 3)]
 
@@ -90,6 +90,26 @@ def test_fixed_video_keep_8():
     assert holitom.compress(video(), 8).assignment.tolist() == expected
 
 
+def unit(angle):
+    return [math.cos(math.radians(angle)), math.sin(math.radians(angle))]
+
+
+def mean(vectors):
+    return [sum(v[d] for v in vectors) / len(vectors) for d in range(len(vectors[0]))]
+
+
+def test_fixed_video_keep_8_weighs_the_centre_by_beta():
+    # The cluster of token 0: centre chain pos 0 (temporal mean c), merged chains pos 1 and 2 (temporal means
+    # m1, m2): 0.6 c + 0.4 (m1 + m2) / 2. Every other group is one dynamic token, as it is.
+    tokens = video()
+    chain = {pos: mean([unit(ANGLES[p][pos]) for p in range(3)]) for pos in range(3)}
+    cluster = [0.6 * chain[0][d] + 0.4 * (chain[1][d] + chain[2][d]) / 2 for d in range(2)]
+    destinations, _, (merged,) = merge_groups(holitom.compress(tokens, 8), tokens.features.double())
+    assert destinations.tolist() == [0, 3, 4, 10, 17, 18, 19, 20]
+    expected = [cluster] + [unit(ANGLES[i // 6][i % 6]) for i in destinations.tolist()[1:]]
+    torch.testing.assert_close(merged, torch.tensor(expected, dtype=torch.float64), atol=1e-6, rtol=0)
+
+
 def test_fixed_video_keep_20_releases_the_weakest_chain():
     # Temporal merging alone leaves 18 < 20 tokens: the weakest chain, pos 2 (lowest similarity 0.90;
     # pos 1: 0.95, pos 0: 1), returns to the dynamic set, leaving 20. Every set is then kept whole; the
@@ -97,7 +117,34 @@ def test_fixed_video_keep_20_releases_the_weakest_chain():
     expected = list(range(24))
     expected[6] = expected[12] = 0
     expected[7] = expected[13] = 1
-    assert holitom.compress(video(), 20).assignment.tolist() == expected
+    out = holitom.compress(video(), 20)
+    assert out.assignment.tolist() == expected
+    # a centre that gathers no other chain is its temporal mean
+    _, _, (merged,) = merge_groups(out, video().features.double())
+    for row, pos in ((0, 0), (1, 1)):
+        torch.testing.assert_close(
+            merged[row], torch.tensor(mean([unit(ANGLES[p][pos]) for p in range(3)]), dtype=torch.float64)
+        )
+
+
+def test_tau_follows_the_retention_entering_the_llm():
+    # 2 pairs of 9 (N = 18). Position 0 turns by 45.57 degrees (cosine 0.70, static at tau 0.65, not at 0.8), the
+    # others by 90; position 0 has the most attention in both pairs, then position 8.
+    # keep = 2 < N / 8: tau 0.65, position 0 is a static chain (tokens 0, 9); keep 2 over the dynamic sets (8, 8)
+    # and the chain (1): quotas 0.94, 0.94, 0.12 -> 1, 1, 0, so the chain goes and each pair keeps position 8.
+    # keep = 3 >= N / 8: tau 0.8, no chain; quotas 1.5, 1.5 -> 2, 1: pair 0 keeps positions 0 and 8, pair 1 position 0.
+    assert holitom.static_threshold(2, 18) == 0.65 and holitom.static_threshold(3, 18) == 0.8
+    assert holitom.static_threshold(10, 80) == 0.8 and holitom.static_threshold(9, 80) == 0.65  # N / 8 exactly: 0.8
+    angles = [40 * j for j in range(9)]
+    feats = [unit(a) for a in angles] + [unit(angles[0] + 45.57)] + [unit(a + 90) for a in angles[1:]]
+    attention = [0.9] + [j / 100 for j in range(1, 9)]
+    tokens = VisualTokens(torch.tensor(feats), [9, 9], [(1, 3, 3)] * 2, torch.tensor(attention * 2))
+    low = [DROPPED] * 18
+    low[8], low[17] = 8, 17
+    assert holitom.compress(tokens, 2).assignment.tolist() == low
+    high = [DROPPED] * 18
+    high[0], high[8], high[9] = 0, 8, 9
+    assert holitom.compress(tokens, 3).assignment.tolist() == high
 
 
 def test_fully_static_window_keeps_a_token_per_pair():

@@ -15,14 +15,23 @@ As the paper states it, FastVID prunes video tokens before the LLM in two steps:
      non-salient tokens; every non-salient token of the segment is merged into its most
      cosine-similar anchor token. Kept tokens keep their positions.
 
+The merged feature of an anchor a with n tokens matched to it (a itself among them, as it is among
+the non-salient tokens it is matched with) is w a + (1 - w) mean(those n tokens), w = max(beta,
+1 / (n + 1)) = beta = 0.6 for n >= 1 (LLaVA-OneVision code, modeling_qwen2.py:1003-1008 for
+single-frame segments, :1051-1056 for multi-frame ones, the same rule): the anchor weighs
+beta + (1 - beta) / n, each other member (1 - beta) / n (`Compression.weights`); a lone anchor
+is itself, as is a salient token. (The authors' Qwen2.5-VL and LLaVA-Video ports leave an anchor
+frame's own anchors out of the tokens matched, so there n counts the other members only and the
+anchor weighs beta; this port follows the LLaVA-OneVision code, as for the other steps.)
+
 Paper: L. Shen, G. Gong, T. He, Y. Zhang, P. Liu, S. Zhao, G. Ding, "FastVID: Dynamic Density
 Pruning for Fast Video Large Language Models", NeurIPS 2025, arXiv:2503.11187.
 Code: github.com/LunarShen/FastVID, read at commit a40a109: the FastVID block of `Qwen2Model.forward`
 in fastvid_llavaonevision/LLaVA-NeXT/llava/model/language_model/modeling_qwen2.py (the paper's
 method), fastvid_qwen25vl/lmms-eval/lmms_eval/models/qwenvlutils/modeling_qwen2_5_vl.py (the
 authors' Qwen2.5-VL port) and the hyperparameters of fastvid_qwen25vl/scripts/eval.sh:
-c = 8, tau = 0.84 (0.9 for LLaVA-OneVision), d = 0.4, p = 4, density over the 4 nearest neighbours (the token
-itself included).
+c = 8, tau = 0.84 (0.9 for LLaVA-OneVision), d = 0.4, p = 4, beta = 0.6, density over the 4 nearest
+neighbours (the token itself included).
 As in that port, a frame is one Qwen temporal pair (one step of the merged grid).
 
 Deviations from the reference:
@@ -43,14 +52,18 @@ Deviations from the reference:
 - The Qwen2.5-VL port's second-level split (runs of frames with similarity >= 0.95 keep tokens only
   in their last frame) is not used: it leaves pairs without any token and its count is not exact.
   This follows the paper and its LLaVA code, where every frame keeps its salient tokens.
-- DTM merging: a non-salient token joins one anchor, its most similar over all anchor frames of its
-  segment; the reference matches every segment token to one anchor in each anchor frame (a token
-  feeds several anchors). A group's feature is the plain mean of its members (`merge_groups`), not
-  the reference's max(beta, 1 / (n + 1)) weight on the anchor (beta = 0.6).
+- DTM merging in segments of more than p pairs (two or more anchor frames): a non-salient token
+  joins one anchor, its most similar over all anchor frames of its segment; the reference matches
+  every segment token to one anchor in each anchor frame (a token feeds several anchors, another
+  anchor frame's anchors included), which one assignment cannot state. The beta rule above is
+  applied to the groups this assignment forms, so n counts a group's members over all the
+  segment's anchor frames (the reference: the tokens matched to the anchor within its own anchor
+  frame's matching). Segments with one anchor frame (at most p pairs) merge as the reference does.
 - Determinism: equal densities are ordered by token index (the reference adds 1e-6 random noise);
   top-k ties go to the lower index. With fewer than c - 1 transitions, every transition is a cut.
   A frame with fewer than 4 non-salient tokens reads its density over all of them (the reference's
-  frames always have more).
+  frames always have more). An anchor always heads its own group (the reference, when two anchors
+  point the same way, matches the later one to the earlier, whose n counts it).
 - A segment without contextual budget drops its non-salient tokens (as the reference does when
   int(k d) = 0).
 """
@@ -69,6 +82,7 @@ DYSEG_TAU = 0.84  # and a cut wherever adjacent frames' cosine is below tau (Qwe
 STPRUNE_D = 0.4  # contextual (DTM) share of a frame's retained tokens
 DTM_P = 4  # anchor frame interval
 DENSITY_K = 4  # neighbours in the kNN density, the token itself included
+DTM_BETA = 0.6  # the least weight of an anchor in its merged feature
 
 
 def frame_similarities(tokens: VisualTokens) -> list[float]:
@@ -147,4 +161,19 @@ def compress(tokens: VisualTokens, keep: int, seed: int = 0) -> Compression:
             rest, anchors = torch.cat(rest), torch.cat(anchors)
             assignment[rest] = anchors[(unit[rest] @ unit[anchors].T).argmax(dim=1)]
             assignment[anchors] = anchors
-    return Compression(assignment)
+    return Compression(assignment, dtm_weights(assignment))
+
+
+def dtm_weights(assignment: torch.Tensor) -> torch.Tensor:
+    """(N,) float64 weights of the DTM merge: in a group of n tokens (its destination among them), the
+    destination weighs w + (1 - w) / n and each other member (1 - w) / n, w = max(beta, 1 / (n + 1)); a
+    group of one (a salient token, a lone anchor) is its token. Dropped tokens weigh 0."""
+    assignment = assignment.cpu()
+    members = assignment != DROPPED
+    n = torch.bincount(assignment[members], minlength=len(assignment)).double()
+    n = torch.where(members, n[assignment.clamp(min=0)], torch.ones_like(n))
+    w = (1 / (n + 1)).clamp(min=DTM_BETA)
+    weights = (1 - w) / n
+    destination = assignment == torch.arange(len(assignment))
+    weights[destination] += w[destination]
+    return torch.where(members, weights, torch.zeros_like(weights))

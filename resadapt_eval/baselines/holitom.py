@@ -14,13 +14,27 @@ As the paper states it, HoliTom merges video tokens before the LLM in three step
    clustered by DPC-kNN (centres: highest local density x distance to a denser token, over the
    k = min(7, centres) nearest neighbours), each merged into its nearest centre.
 
+A static position's feature is the temporal mean of its tokens over the window (llava_arch.py:303).
+A cluster's feature is beta c + (1 - beta) mean(m), beta = 0.6, with c the centre's temporal mean and
+mean(m) the mean of the temporal means of the m >= 1 positions merged into it; a centre that gathers
+none stays as it is (`merge_tokens_by_clustering`, llava_arch.py:127-146, its default branch, the
+released scripts not setting NO_BETA). In `Compression.weights`: each of a centre's L window tokens
+weighs beta / L (1 / L alone), each token of a merged position (1 - beta) / (m L); a dynamic token
+is kept as it is (D = 0: no contextual merge).
+Tau follows the released scripts, which set it by RETAIN_RATIO, the share of the video tokens that
+enter the LLM (keep / N here; with the inner stage, above the layer-averaged R): 0.65 at 0.10, 0.8 at
+0.15, 0.20 and 0.25 (scripts/eval_ov-7b_holitom.sh:2-74; 0.8 at 0.15 in eval_ov-72b_holitom.sh and
+eval_vid-7b_holitom.sh). Between and beyond those the nearest setting's tau is used: 0.65 where
+keep < N / 8, else 0.8.
+
 Paper: K. Shao, K. Tao, C. Qin, H. You, Y. Sui, H. Wang, "HoliTom: Holistic Token Merging for Fast
 Video Large Language Models", NeurIPS 2025, arXiv:2505.21334.
 Code: github.com/cokeshao/HoliTom, read at commit e9b2972: holitom/llava_arch.py
 (`select_static_windows`, `get_static_dynamic_features`, `holitom`, `merge_tokens_by_attention_density`,
 `merge_tokens_by_density`, `cluster_dpc_knn`, `merge_tokens_by_clustering`), the attention of
 LLaVA-NeXT/llava/model/multimodal_encoder/siglip_encoder.py (last layer, mean over heads and
-queries) and scripts/eval_ov-7b_holitom.sh (tau = 0.8, D = 0, K = 7).
+queries), scripts/eval_ov-7b_holitom.sh (T by RETAIN_RATIO) and the defaults of llava_arch.py:350-355
+(beta = 0.6, D = 0, K = 7, MAX_WINDOW_SIZE 1024).
 
 Deviations from the reference:
 
@@ -48,14 +62,11 @@ Deviations from the reference:
   earlier pair is followed to its most cosine-similar token of the later pair, a token of the later
   pair taking only its most similar follower (ties to the lower index); equal grids compare
   positions as in the reference.
-- A merged group's feature is the plain mean of its members (`merge_groups`); as every static
-  position of a window has one token per frame, that is the reference's mean of the temporal means,
-  without its beta = 0.6 weight on the cluster centre. A group sits at its centre's token in the
-  window's first pair (the reference puts static tokens with the window's first frame).
+- A static cluster sits at its centre's token in the window's first pair (the reference puts
+  static tokens with the window's first frame).
 - Salience: `received_attention`, the same quantity as the reference (last ViT block, mean over
   heads and queries), per merged token (mean over its 4 patches) instead of 2x2-pooled.
-- tau = 0.8 for every R (the released scripts use 0.8, and 0.65 at R = 0.10); windows unbounded (the
-  reference's default MAX_WINDOW_SIZE 1024).
+- Windows unbounded (the reference's default MAX_WINDOW_SIZE 1024).
 - Determinism: equal densities are ordered by token index (the reference adds 1e-6 random noise);
   top-k ties go to the lower index.
 """
@@ -71,7 +82,9 @@ import torch.nn.functional as F
 from .common import DROPPED, Compression, VisualTokens, check_keep, density_peaks, top
 from .inside_llm import Stage, check_layers, scaled_layer
 
-TAU = 0.8  # a position is static across a step when its tokens' cosine exceeds tau
+TAU = 0.8  # a position is static across a step when its tokens' cosine exceeds tau (scripts: RETAIN_RATIO >= 0.15)
+TAU_LOW = 0.65  # the scripts' tau at RETAIN_RATIO = 0.10, used where keep < N / 8
+BETA = 0.6  # a cluster centre's weight in its merged feature (llava_arch.py:352)
 DENSITY_K = 7  # DPC-kNN neighbours, at most the number of centres (the token itself included)
 INNER_LAYER, INNER_LAYERS = 18, 28  # HOLITOM_k of LLaVA-OneVision-7B's 28 layers
 INNER_MERGE = 0.5  # HOLITOM_r: the share of the visual tokens merged away at the inner stage
@@ -123,8 +136,13 @@ def follow(steps, first: int, last: int, size: int) -> tuple[torch.Tensor, torch
     return torch.stack(path, dim=1), strength
 
 
-def redundancy_gains(steps, sizes: list[int]) -> list[list[int]]:
-    """gain[s][e]: tokens saved by merging window [s, e] over time, (e - s) x its static positions."""
+def static_threshold(keep: int, num_tokens: int) -> float:
+    """tau of the released setting whose RETAIN_RATIO is nearest keep / N: 0.65 (at 0.10) below 1 / 8, else 0.8."""
+    return TAU_LOW if 8 * keep < num_tokens else TAU
+
+
+def redundancy_gains(steps, sizes: list[int], tau: float) -> list[list[int]]:
+    """gain[s][e]: tokens saved by merging window [s, e] over time, (e - s) x its static positions (cosine > tau)."""
     num_pairs = len(sizes)
     gain = [[0] * num_pairs for _ in range(num_pairs)]
     for s in range(num_pairs - 1):
@@ -134,7 +152,7 @@ def redundancy_gains(steps, sizes: list[int]) -> list[list[int]]:
             follower, similarity = steps[e - 1]
             strength = torch.minimum(strength, similarity[position])
             position = follower[position]
-            static = int((strength > TAU).sum())
+            static = int((strength > tau).sum())
             if static == 0:
                 break
             gain[s][e] = (e - s) * static
@@ -158,14 +176,14 @@ def temporal_segments(gain: list[list[int]]) -> list[tuple[int, int]]:
     return windows[::-1]
 
 
-def static_chains(tokens: VisualTokens, steps, first: int, last: int) -> Window:
+def static_chains(tokens: VisualTokens, steps, first: int, last: int, tau: float) -> Window:
     """The window's static positions (strength > tau; none in a one-pair window) as chains of global indices."""
     starts, sizes = tokens.pair_starts, tokens.pair_sizes
     if last == first:
         device = tokens.features.device
         return Window(first, last, torch.zeros((0, 1), dtype=torch.long, device=device), torch.zeros(0, device=device))
     path, strength = follow(steps, first, last, sizes[first])
-    static = strength > TAU
+    static = strength > tau
     offsets = torch.tensor(starts[first : last + 1], device=path.device)
     return Window(first, last, path[static] + offsets, strength[static])
 
@@ -220,17 +238,32 @@ def apportion(total: int, sizes: list[int], floors: list[int]) -> list[int]:
     return share
 
 
-def merge_static(window: Window, feats: torch.Tensor, count: int, assignment: torch.Tensor) -> None:
+def merge_static(
+    window: Window, feats: torch.Tensor, count: int, assignment: torch.Tensor, weights: torch.Tensor
+) -> None:
     """Cluster the window's static chains (features: their temporal mean) to `count` centres; every chain
-    joins its nearest centre, whose first-pair token is the destination. count == 0 drops them all."""
+    joins its nearest centre (ties: the lower index), whose first-pair token is the destination, and the
+    weights give the cluster beta c + (1 - beta) x the mean of the merged chains' means (c alone if none).
+    count == 0 drops them all."""
     if count == 0:
         assignment[window.chains.flatten()] = DROPPED
         return
     means = feats[window.chains].mean(dim=1)
     centres, dist = density_peaks(means, count, min(DENSITY_K, count))
+    centres = centres.sort().values  # the reference sorts the centres before matching to them
     nearest = centres[dist[:, centres].argmin(dim=1)]
     nearest[centres] = centres
     assignment[window.chains] = window.chains[nearest, :1]
+    nearest = nearest.cpu()
+    merged = torch.bincount(nearest, minlength=len(nearest)).double() - 1  # chains merged into each centre
+    is_centre = nearest == torch.arange(len(nearest))
+    chain_weight = torch.where(
+        is_centre,
+        torch.where(merged > 0, BETA, 1.0),
+        (1 - BETA) / merged[nearest].clamp(min=1),
+    )
+    length = window.chains.shape[1]
+    weights[window.chains.cpu()] = (chain_weight / length)[:, None].expand(-1, length)
 
 
 def compress(tokens: VisualTokens, keep: int, seed: int = 0) -> Compression:
@@ -241,9 +274,11 @@ def compress(tokens: VisualTokens, keep: int, seed: int = 0) -> Compression:
     feats = tokens.features.float()
     attention = tokens.received_attention.to(feats.device).float()
     steps = step_matches(tokens, F.normalize(feats, dim=-1))
+    tau = static_threshold(keep, feats.shape[0])
 
     # 1. global redundancy-aware temporal segmentation, 2. static chains of each window
-    windows = [static_chains(tokens, steps, s, e) for s, e in temporal_segments(redundancy_gains(steps, sizes))]
+    gains = redundancy_gains(steps, sizes, tau)
+    windows = [static_chains(tokens, steps, s, e, tau) for s, e in temporal_segments(gains)]
     for w in windows:
         keep_a_dynamic_token(w, sizes)
     release_until(windows, feats.shape[0], keep)
@@ -259,13 +294,14 @@ def compress(tokens: VisualTokens, keep: int, seed: int = 0) -> Compression:
     )
 
     assignment = torch.full((feats.shape[0],), DROPPED, dtype=torch.long, device=feats.device)
+    weights = torch.ones(feats.shape[0], dtype=torch.float64)  # a dynamic token is kept as it is
     for index, count in zip(dynamic, share):
         chosen = index[top(attention[index], count)]
         assignment[chosen] = chosen
     for w, count in zip(windows, share[len(dynamic) :]):
         if len(w.strength):
-            merge_static(w, feats, count, assignment)
-    return Compression(assignment)
+            merge_static(w, feats, count, assignment, weights)
+    return Compression(assignment, weights)
 
 
 def stages(
