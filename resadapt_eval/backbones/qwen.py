@@ -9,6 +9,7 @@ merged grid.
 
 from __future__ import annotations
 
+import importlib.util
 from contextlib import nullcontext
 from dataclasses import dataclass
 
@@ -60,6 +61,8 @@ class QwenVideoAdapter:
         """Load model and processor from a `save_pretrained` folder or hub id."""
         config = AutoConfig.from_pretrained(path)
         cls.layout_cls.check(config)  # a checkpoint of the other family stops before its weights load
+        if attn_implementation == "flash_attention_2":
+            check_flash_attention(dtype, config)
         kwargs = {"dtype": dtype if dtype == "auto" else getattr(torch, dtype)}
         if attn_implementation:
             kwargs["attn_implementation"] = attn_implementation
@@ -372,6 +375,26 @@ class Qwen3VLAdapter(QwenVideoAdapter):
 
 
 ADAPTERS = {"qwen25vl": Qwen25VLAdapter, "qwen3vl": Qwen3VLAdapter}
+
+
+def check_flash_attention(dtype: str, config) -> None:
+    """Stop before the weights load where `attn_implementation=flash_attention_2` cannot run: a
+    dtype other than float16 / bfloat16 (`auto`: the checkpoint's `config.dtype`), or no
+    `flash_attn` package."""
+    chosen = (config.dtype or torch.get_default_dtype()) if dtype == "auto" else getattr(torch, dtype)
+    if chosen not in (torch.float16, torch.bfloat16):
+        given = f"dtype={dtype}" + (
+            f" (the checkpoint's {str(chosen).removeprefix('torch.')})" if dtype == "auto" else ""
+        )
+        raise ValueError(
+            f"attn_implementation=flash_attention_2 runs in float16 or bfloat16, not {given}: give dtype=bfloat16, "
+            "or attn_implementation=sdpa"
+        )
+    if importlib.util.find_spec("flash_attn") is None:
+        raise ValueError(
+            "attn_implementation=flash_attention_2 needs the flash_attn package, which is not installed here: "
+            "install flash-attn, or give attn_implementation=sdpa"
+        )
 
 
 def family_of(pretrained: str) -> str:
