@@ -26,18 +26,34 @@ def cmd_fixtures(args) -> int:
 
 
 def cmd_sweep(args) -> int:
-    from .sweep import ChangedCells, ensure_needle_data, load_card, plan_cells, run_sweep, with_model_args
+    from .sweep import (
+        ChangedCells,
+        check_cells,
+        ensure_needle_data,
+        load_card,
+        plan_cells,
+        run_sweep,
+        with_model_args,
+    )
 
     try:
         card = load_card(args.card)
         if args.model_args:  # part of every cell's configuration, as the card's own model_args are
             card = with_model_args(card, args.model_args)
-    except (ValueError, FileNotFoundError) as exc:  # a bad card or --model-args: stop before any cell
+        try:
+            frames = [int(f) for f in args.frames.split(",")] if args.frames else card.frames
+            retentions = [float(r) for r in args.retention.split(",")]
+        except ValueError:
+            raise ValueError(
+                f"--frames takes comma-separated integers and --retention numbers; got {args.frames!r}, "
+                f"{args.retention!r}"
+            ) from None
+        tasks = args.tasks.split(",") if args.tasks else card.tasks
+        cells = plan_cells(args.methods.split(","), retentions, frames)
+        check_cells(card, cells)  # every cell's model_args, as its model class checks them at start
+    except (ValueError, FileNotFoundError) as exc:  # a bad card, --model-args or cell: stop before any cell
         print(f"sweep: {exc}", file=sys.stderr)
         return 2
-    frames = [int(f) for f in args.frames.split(",")] if args.frames else card.frames
-    tasks = args.tasks.split(",") if args.tasks else card.tasks
-    cells = plan_cells(args.methods.split(","), [float(r) for r in args.retention.split(",")], frames)
     ensure_needle_data(card, args.limit)
     try:
         records = run_sweep(
@@ -242,17 +258,19 @@ def cmd_flops(args) -> int:
     """The latency table's TFLOPs per (method, frames) from configs alone: linear layers of the
     prefill (the paper's counting), then attention scores, the method's own work, the Allocator's
     and decode beside."""
-    from .compute.flops import TERA, load_dims, row_flops
-    from .methods import NO_RETENTION, get_method
+    from .compute.flops import TERA, row_flops
+    from .methods import NO_RETENTION
 
-    dims = load_dims(args.backbone)
-    width, height = (int(v) for v in args.size.lower().split("x"))
-    methods = [get_method(name) for name in args.methods.split(",")]
-    allocator = None
-    if any(m.needs_allocator for m in methods):
-        from .allocator import load_allocator
-
-        allocator = load_allocator(args.allocator)
+    try:
+        dims, (width, height), frame_counts, methods, allocator = flops_settings(args)
+        for frames in frame_counts:  # what the vanilla rows cannot plan (an extreme aspect ratio) stops here
+            try:
+                row_flops(dims, "vanilla", frames, (height, width), None, args.text_tokens, args.output_tokens)
+            except ValueError as exc:
+                raise ValueError(f"--size {args.size}: {exc}") from None
+    except ValueError as exc:
+        print(f"flops: {exc}", file=sys.stderr)
+        return 2
     print(
         f"{args.backbone}: {args.size} source, {args.text_tokens} text tokens, {args.output_tokens} output tokens, "
         f"R={args.retention}; TFLOPs (10^12, 2 per multiply-add); linear = vision + LLM prefill linear layers; "
@@ -277,7 +295,7 @@ def cmd_flops(args) -> int:
         "total",
     )
     print("".join(f"{h:>14}" for h in header))
-    for frames in (int(f) for f in args.frames.split(",")):
+    for frames in frame_counts:
         vanilla, _ = row_flops(dims, "vanilla", frames, (height, width), None, args.text_tokens, args.output_tokens)
         for method in methods:
             retention = None if method.retention == NO_RETENTION else args.retention
@@ -311,6 +329,48 @@ def cmd_flops(args) -> int:
             )
             print("".join(f"{c:>14}" for c in cells))
     return 0
+
+
+def flops_settings(args):
+    """`resadapt-eval flops` arguments checked: (dims, (width, height), frame counts, methods,
+    Allocator or None); a bad one is a ValueError naming the option."""
+    import math
+
+    from .compute.flops import load_dims
+    from .methods import get_method
+
+    try:
+        dims = load_dims(args.backbone)
+    except (ValueError, OSError, KeyError) as exc:
+        raise ValueError(f"--backbone {args.backbone}: {exc}") from None
+    parts = args.size.lower().split("x")
+    if len(parts) != 2 or not all(p.strip().isdigit() and int(p) >= 1 for p in parts):
+        raise ValueError(f"--size takes WIDTHxHEIGHT in pixels, both at least 1 (e.g. 896x672), got {args.size!r}")
+    size = tuple(int(p) for p in parts)
+    try:
+        frames = [int(f) for f in args.frames.split(",")]
+    except ValueError:
+        frames = []
+    if not frames or min(frames) < 1:
+        raise ValueError(f"--frames takes comma-separated frame counts, each at least 1, got {args.frames!r}")
+    try:
+        methods = [get_method(name.strip()) for name in args.methods.split(",")]
+    except ValueError as exc:
+        raise ValueError(f"--methods: {exc}") from None
+    if not 0 < args.retention < math.inf:
+        raise ValueError(f"--retention must be a finite positive number, got {args.retention}")
+    for option in ("text_tokens", "output_tokens", "query_tokens"):
+        if getattr(args, option) < 0:
+            raise ValueError(f"--{option.replace('_', '-')} must be at least 0, got {getattr(args, option)}")
+    allocator = None
+    if any(m.needs_allocator for m in methods):
+        from .allocator import load_allocator
+
+        try:
+            allocator = load_allocator(args.allocator)
+        except (ValueError, OSError) as exc:
+            raise ValueError(f"--allocator {args.allocator}: {exc}") from None
+    return dims, size, frames, methods, allocator
 
 
 def cmd_profile(args) -> int:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from fractions import Fraction
 from typing import Callable
 
 from .baselines import (
@@ -66,6 +67,8 @@ class Method:
     -> DecodeStage` for an AFTER_MERGER method that also prunes the KV cache while decoding
     (`baselines/decode_pruning.py`: the prefill, and so R, is the compressor's); engine_pruning: for IN_ENGINE
     methods, vLLM's `video_pruning_method`, run at `video_pruning_rate` = 1 - retention.
+    prune_layer_count: how many decoder layers `prune_layers=` names for a method with stages
+    inside the LLM (one per stage; None: any number, PyramidDrop's pyramid).
     """
 
     name: str
@@ -85,6 +88,7 @@ class Method:
     decode_prune: Callable | None = None
     aliases: tuple[str, ...] = ()
     in_paper: bool = False
+    prune_layer_count: int | None = 1
 
     def __post_init__(self):
         if self.stage not in STAGES:
@@ -108,10 +112,14 @@ class Method:
 
     def pruning_rate(self, retention: float) -> float:
         """An IN_ENGINE method's `video_pruning_rate` for a target retention R: 1 - R, or the float
-        just below it where 1 - (1 - R) falls short of R in floating point, so that the engine keeps
-        floor(R N) tokens, the most within R, as every compressor here does."""
+        just below it where the engine's 1 - rate falls short of the R meant (0.35 is 7/20, 1/3 is
+        1/3: the fraction of denominator at most 10^6 nearest R), so that the engine's int(N (1 -
+        rate)) is floor(R N), the most tokens within R, as every compressor here keeps (`kept_count`)."""
+        meant = Fraction(retention).limit_denominator(10**6)
         rate = 1.0 - retention
-        return math.nextafter(rate, 0.0) if 1.0 - rate < retention else rate
+        while rate > 0.0 and Fraction(1.0 - rate) < meant:
+            rate = math.nextafter(rate, 0.0)
+        return rate
 
     def model_names(self, backbone: str) -> list[str]:
         """lmms-eval model names of this method on `backbone`, the primary name first."""
@@ -163,9 +171,16 @@ def _compressor(
     )
 
 
-def _pruner(name: str, display_name: str, class_stem: str, module) -> Method:
+def _pruner(name: str, display_name: str, class_stem: str, module, prune_layer_count: int | None = 1) -> Method:
     return Method(
-        name, display_name, class_stem, INSIDE_LLM, REQUIRED_RETENTION, prune=module.stages, policy=policies.vanilla
+        name,
+        display_name,
+        class_stem,
+        INSIDE_LLM,
+        REQUIRED_RETENTION,
+        prune=module.stages,
+        policy=policies.vanilla,
+        prune_layer_count=prune_layer_count,
     )
 
 
@@ -193,7 +208,7 @@ register(_compressor("prunevid", "PruneVid", "PruneVid", prunevid, inside_llm=Tr
 register(_compressor("fastvid", "FastVID", "FastVID", fastvid, needs_attention=True))
 register(_compressor("holitom", "HoliTom", "HoliTom", holitom, needs_attention=True, inside_llm=True))
 register(_pruner("fastv", "FastV", "FastV", fastv))
-register(_pruner("pyramiddrop", "PyramidDrop", "PyramidDrop", pyramiddrop))
+register(_pruner("pyramiddrop", "PyramidDrop", "PyramidDrop", pyramiddrop, prune_layer_count=None))
 register(
     Method(
         "evs",

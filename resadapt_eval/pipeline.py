@@ -20,7 +20,7 @@ import torch
 
 from .backbones.layout import Backbone, EngineOutput
 from .baselines.inside_llm import entering_tokens
-from .budget.plan import ResizePlan
+from .budget.plan import InfeasibleBudget, ResizePlan
 from .budget.planner import Planner
 from .budget.policies import BudgetSpec
 from .budget.selection import OPERATORS
@@ -30,6 +30,7 @@ from .record import SampleRecord, build_record
 from .video import DecodedVideo, decode_video, read_image
 
 ALLOCATOR_QUERIES = ("question", "empty")
+FLOOR_PROBE_TOKENS = 10**7  # visual tokens: more than any request gives (`VideoPipeline.check_pruning`)
 
 
 @dataclass
@@ -65,10 +66,24 @@ class VideoPipelineConfig:
         if self.prune_layers is not None and method.prune is None:
             raise ValueError(f"prune_layers= is only used by methods that prune inside the LLM, not {self.method!r}")
         if self.prune_layers is not None:
+            if not str(self.prune_layers).strip(" ,;"):
+                raise ValueError(
+                    "prune_layers is empty: give decoder layer indices (e.g. prune_layers=2, or 3;6;9: lmms-eval "
+                    "splits model_args at commas), or leave it out for the method's own layers"
+                )
             try:
                 self.pruning_layers
             except ValueError:
-                raise ValueError(f"prune_layers must be comma-separated layer indices, got {self.prune_layers!r}")
+                raise ValueError(
+                    f"prune_layers must be comma-separated layer indices (';'-separated in lmms-eval's model_args), "
+                    f"got {self.prune_layers!r}"
+                ) from None
+            count = method.prune_layer_count
+            if count is not None and len(self.pruning_layers) != count:
+                raise ValueError(
+                    f"prune_layers={self.prune_layers!r} names {len(self.pruning_layers)} layers; method={self.method} "
+                    f"prunes at {count} layer{'s' if count > 1 else ''}"
+                )
         if self.operator not in OPERATORS:
             raise ValueError(f"operator must be one of {OPERATORS}, got {self.operator!r}")
         if self.operator != "resize" and not method.needs_allocator:
@@ -232,6 +247,8 @@ class VideoPipeline:
             raise ValueError(
                 f"max_pixels={config.max_pixels} is below one visual token ({token_area} px on this backbone)"
             )
+        if self.method.prune is not None:
+            self.check_pruning()
         self.planner = Planner(self.layout.grid, config.budget, config.min_pixels, config.max_pixels)
         self.allocator = None
         if self.method.needs_allocator:
@@ -241,6 +258,38 @@ class VideoPipeline:
             self.allocator = AllocatorPolicy(
                 allocator, config.allocator_inference, config.allocator_quantile, config.allocator_seed
             )
+
+    def check_pruning(self) -> None:
+        """Stop at start on what the LLM's layer count already decides for a method with stages
+        inside the LLM: `prune_layers` (or the method's default layers) outside
+        [first prunable layer, layers - 1], unordered or repeated; and, for a method that prunes
+        only inside the LLM (FastV, PyramidDrop), a retention at or below the floor its schedule
+        keeps on every video.
+
+        That floor depends on the visual token count N only through terms that shrink as N grows
+        (FastV keeps floor((R L - K) N / (L - K)) >= 1 tokens after layer K; PyramidDrop keeps at
+        least one token per stage, a layer average of (b_1 N + L - b_1) / (L N) with b_1 its first
+        stage): a target the schedule cannot reach with `FLOOR_PROBE_TOKENS` visual tokens, more
+        than any video gives, is out of reach for every N below it too, and the floor reported is
+        the one at that N (b_1 / L, or K / L, to 4 places). Targets just above it, reachable on
+        long videos only, stay per sample (`InfeasibleBudget` naming that sample's floor); so do the
+        floors of compressors, which depend on the video's frame pairs and tokens."""
+        backbone, config = self.backbone, self.config
+        layers, first, retention = backbone.num_text_layers, backbone.first_prunable_layer, config.budget.retention
+        given = config.pruning_layers
+        try:
+            self.method.prune(layers, FLOOR_PROBE_TOKENS, retention, given, first)
+        except InfeasibleBudget as exc:
+            if self.method.stage != INSIDE_LLM:
+                return
+            which = f"prune_layers={config.prune_layers!r}" if given is not None else "the default prune_layers"
+            raise ValueError(
+                f"retention={retention} with {which}: {exc.what} keeps a layer-averaged retention above "
+                f"{exc.floor:.4f} on every video on this LLM of {layers} layers (the layers before the first "
+                "stage see every visual token); raise retention, or give prune_layers an earlier first layer"
+            ) from None
+        except ValueError as exc:  # `inside_llm.check_layers`: its message starts with prune_layers
+            raise ValueError(f"model_args {exc}") from None
 
     def run(self, request: Request) -> tuple[str, SampleRecord]:
         """Answer one request (a batch of one)."""
@@ -259,6 +308,8 @@ class VideoPipeline:
         for i, request in enumerate(requests):
             stages = (decoded.get(i), scores.get(i), planned.get(i), built.get(i), generated.get(i))
             record = build_record(request, self.config, self.layout, *stages, failed.get(i))
+            if self.config.strict and record.error and i not in failed:  # a non-finite value in the record
+                raise ValueError(record.error)
             answers.append(("" if record.error else generated[i].text, record))
         return answers
 

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+import json
+import math
+from dataclasses import asdict, dataclass, field, fields
 from typing import TYPE_CHECKING
 
 from .compute.flops import dims_from_config, sample_flops
@@ -38,6 +40,9 @@ class SampleRecord:
     Stage clocks are CUDA events on a GPU, wall clocks on CPU. error: `ExceptionType: message`.
     allocator: the Allocator checkpoint of method=resadapt (`untrained` when run on purpose without one).
     allocator_query: what that Allocator read as the query (`question`, or `empty` in the ablation).
+    allocator_budget: `budget.json` when that checkpoint records the budget it was trained under
+    (settings not given came from it), `missing` when it does not (the run fell back on model_args
+    and the defaults, s in [0.2, 1.8]); null without a checkpoint (`allocator.budget_source`).
     budget_rule: the rule that sized the plan (`BudgetSpec.rule_label`: `paper` or `authors_code`,
     with any setting given against it, e.g. `authors_code (fixed_scale_rule=search)`).
     FLOPs of a successful sample (0 for a failed one; counted by `compute.flops`, 2 per multiply-add
@@ -54,6 +59,7 @@ class SampleRecord:
     method: str
     allocator: str | None = None
     allocator_query: str | None = None
+    allocator_budget: str | None = None
     budget_rule: str | None = None
     video: str | None = None
     num_frames: int = 0
@@ -99,6 +105,41 @@ class SampleRecord:
         return asdict(self)
 
 
+def _finite(value) -> bool:
+    """False when `value` is, or holds (in lists, at any depth), a NaN or infinite float."""
+    if isinstance(value, float):
+        return math.isfinite(value)
+    if isinstance(value, (list, tuple)):
+        return all(_finite(v) for v in value)
+    return True
+
+
+def with_finite_values(record: SampleRecord) -> SampleRecord:
+    """`record`, or, when a field holds a NaN or infinite number (JSON cannot hold one: an
+    Allocator's NaN scales, a division by zero), the sample failed: those fields null and the
+    reason in `error` (added to an error it already had)."""
+    bad = [f.name for f in fields(record) if not _finite(getattr(record, f.name))]
+    if not bad:
+        return record
+    reason = f"non-finite values (NaN or inf) in {', '.join(bad)}"
+    for name in bad:
+        setattr(record, name, None)
+    record.error = f"ValueError: {reason}" if record.error is None else f"{record.error} (and {reason})"
+    return record
+
+
+def sidecar_line(record: SampleRecord) -> str:
+    """One sidecar JSONL line: the record as JSON with NaN and infinity refused (a non-finite
+    value fails the sample instead, `with_finite_values`), so writing a record never stops a run."""
+    return json.dumps(with_finite_values(record).to_dict(), allow_nan=False) + "\n"
+
+
+def _budget_source(allocator: str | None) -> str | None:
+    from .allocator.inference import budget_source
+
+    return budget_source(allocator)
+
+
 def error_text(exc: BaseException) -> str:
     """How a failed sample's exception is recorded: its type and message."""
     return f"{type(exc).__name__}: {exc}"
@@ -122,6 +163,7 @@ def build_record(
         method=config.method,
         allocator=config.allocator,
         allocator_query=config.allocator_query if config.allocator else None,
+        allocator_budget=_budget_source(config.allocator),
         budget_rule=config.budget.rule_label,
         video=None if request.video is None else str(request.video),
         target_retention=config.budget.retention,
@@ -190,4 +232,4 @@ def build_record(
         record.llm_prefill_flops, record.llm_attention_flops = flops.llm_prefill, flops.llm_attention
         record.decode_flops, record.method_flops, record.allocator_flops = flops.decode, flops.method, flops.allocator
         record.total_flops = flops.total
-    return record
+    return with_finite_values(record)

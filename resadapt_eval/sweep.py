@@ -204,16 +204,51 @@ def config_changes(old: dict, new: dict, prefix: str = "") -> list[str]:
     return changes
 
 
-def cell_command(
-    card: ModelCard, cell: Cell, tasks: list[str], out: Path, launcher: str | None = None, limit: int | None = None
-) -> list[str]:
-    """The lmms-eval command line of one cell (under `launcher`, e.g. `accelerate launch --num_processes 8`)."""
+def cell_model_args(card: ModelCard, cell: Cell) -> tuple[str, dict]:
+    """The lmms-eval model name and model_args of one cell."""
     model = get_method(cell.method).model_names(card.backbone)[0]
     args = dict(pretrained=card.pretrained, method=cell.method, max_num_frames=cell.frames, **card.model_args)
     if cell.retention is not None:
         args["retention"] = cell.retention
     if get_method(cell.method).needs_allocator and card.allocator:
         args["allocator"] = card.allocator
+    return model, args
+
+
+def model_args_string(args: dict) -> str:
+    return ",".join(f"{k}={v}" for k, v in args.items() if v is not None)
+
+
+def check_cells(card: ModelCard, cells: list[Cell]) -> None:
+    """Stop before the first cell runs when a cell's model_args would stop its lmms-eval run at
+    start: each cell's model_args, parsed as lmms-eval parses its command line, go through its
+    model class's own checks (`ResAdaptQwen.checked_config`: names, types, values, the method's
+    settings, the Allocator's budget.json), which need no weights. A ValueError names the cell."""
+    import importlib
+
+    from lmms_eval.utils import simple_parse_args_string
+
+    from .lmms.manifests import model_names
+
+    classes = model_names()
+    for cell in cells:
+        model, args = cell_model_args(card, cell)
+        module, _, name = classes[model][0].rpartition(".")
+        cls = getattr(importlib.import_module(module), name)
+        parsed = simple_parse_args_string(model_args_string(args))
+        for key in ("pretrained", "device", "attn_implementation", "sidecar_dir"):  # checked when loading
+            parsed.pop(key, None)
+        try:
+            cls.checked_config(**parsed)
+        except ValueError as exc:
+            raise ValueError(f"cell {cell.name} ({model}): {exc}") from None
+
+
+def cell_command(
+    card: ModelCard, cell: Cell, tasks: list[str], out: Path, launcher: str | None = None, limit: int | None = None
+) -> list[str]:
+    """The lmms-eval command line of one cell (under `launcher`, e.g. `accelerate launch --num_processes 8`)."""
+    model, args = cell_model_args(card, cell)
     runner = shlex.split(launcher) if launcher else [sys.executable]
     cmd = [
         *runner,
@@ -222,7 +257,7 @@ def cell_command(
         "--model",
         model,
         "--model_args",
-        ",".join(f"{k}={v}" for k, v in args.items() if v is not None),
+        model_args_string(args),
         "--tasks",
         ",".join(tasks),
         "--output_path",

@@ -159,7 +159,11 @@ def test_needle_train_allocator_writes_a_loadable_checkpoint(tmp_path):
         allocator.config.s_min,
         allocator.config.s_max,
     ) == ("tiny", True, 64, 0.1, 1.9)
-    assert sorted(p.name for p in out.iterdir()) == ["budget.json", "config.json", "model.safetensors", "training.txt"]
+    names = ["backbone.json", "budget.json", "config.json", "model.safetensors", "training.txt"]
+    assert sorted(p.name for p in out.iterdir()) == names
+    # and the backbone it was trained with, which evaluation compares with the one running it
+    trained = dict(family="qwen25vl", pretrained=str(REPO / "results" / "needle" / "backbone-qwen25vl"))
+    assert json.loads((out / "backbone.json").read_text()) == trained
     # the budget it was trained under travels with it: a bare `allocator=OUT` gets the YAML's rollout settings
     budget = json.loads((out / "budget.json").read_text())
     assert (budget["s_min"], budget["s_max"], budget["max_num_frames"]) == (0.1, 1.0, 16)

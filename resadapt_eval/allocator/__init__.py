@@ -1,7 +1,20 @@
 """The ResAdapt Allocator: model, frozen encoders, checkpoints, inference."""
 
 from .encoders import ENCODERS, FrozenEncoders, build_encoders
-from .inference import BUDGET_FILE, UNTRAINED, AllocatorPolicy, known_allocators, load_allocator, training_budget
+from .inference import (
+    BACKBONE_FILE,
+    BUDGET_FILE,
+    UNTRAINED,
+    AllocatorPolicy,
+    backbone_differences,
+    backbone_identity,
+    budget_source,
+    check_checkpoint,
+    known_allocators,
+    load_allocator,
+    training_backbone,
+    training_budget,
+)
 from .model import (
     INFERENCE_MODES,
     Allocator,
@@ -13,7 +26,13 @@ from .model import (
 )
 
 __all__ = [
+    "BACKBONE_FILE",
     "BUDGET_FILE",
+    "backbone_differences",
+    "backbone_identity",
+    "budget_source",
+    "check_checkpoint",
+    "training_backbone",
     "Allocator",
     "AllocatorConfig",
     "AllocatorPolicy",

@@ -19,10 +19,12 @@ import yaml
 from ..manifest import REPO
 from ..profile.clock import Stopwatch
 from .encoders import FRAME_CHUNK
-from .model import INFERENCE_MODES, Allocator, AllocatorConfig, CheckpointError
+from .model import CONFIG_NAME, INFERENCE_MODES, Allocator, AllocatorConfig, CheckpointError, load_config
 
 UNTRAINED = "untrained"
 BUDGET_FILE = "budget.json"  # beside an Allocator checkpoint's config.json: the budget it was trained with
+BACKBONE_FILE = "backbone.json"  # beside it: the backbone it was trained with (family, pretrained)
+BUDGET_MISSING = "missing"  # `budget_source` of a checkpoint saved without budget.json
 BUDGET_KEYS = (
     "s_min",
     "s_max",
@@ -61,6 +63,55 @@ def training_budget(spec: str | None) -> dict:
     if unknown:
         raise CheckpointError(f"{path}: unknown budget settings {unknown}; known: {', '.join(BUDGET_KEYS)}")
     return budget
+
+
+def check_checkpoint(spec: str | None) -> None:
+    """Stop at start on an `allocator=` that is neither `untrained` nor an Allocator checkpoint
+    folder: its config.json is read and checked (`load_config`), the weights are not loaded."""
+    if spec not in (None, UNTRAINED):
+        load_config(Path(spec) / CONFIG_NAME)
+
+
+def budget_source(spec: str | None) -> str | None:
+    """Where a run's budget settings stand against the Allocator's training, as every sidecar
+    record states it (`allocator_budget`): `budget.json` (settings not given were taken from it),
+    `missing` (a checkpoint saved without one: the budget it was trained under is unknown, and the
+    run takes model_args and the defaults, s in [0.2, 1.8]); None without a checkpoint."""
+    if spec in (None, UNTRAINED):
+        return None
+    return BUDGET_FILE if (Path(spec) / BUDGET_FILE).is_file() else BUDGET_MISSING
+
+
+def backbone_identity(family: str, pretrained: str) -> dict:
+    """How a backbone is recorded beside an Allocator checkpoint (`backbone.json`) and compared
+    with the one running it: its family and `pretrained`, a local folder as its absolute path."""
+    path = Path(pretrained).expanduser()
+    return dict(family=family, pretrained=str(path.resolve()) if path.exists() else str(pretrained))
+
+
+def training_backbone(spec: str | None) -> dict:
+    """The backbone an Allocator checkpoint was trained with (its `backbone.json`: family,
+    pretrained); empty for `untrained` or a checkpoint saved without one."""
+    if spec in (None, UNTRAINED):
+        return {}
+    path = Path(spec) / BACKBONE_FILE
+    if not path.is_file():
+        return {}
+    try:
+        trained = json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise CheckpointError(f"{path}: not valid JSON ({exc})") from exc
+    if not isinstance(trained, dict) or set(trained) != {"family", "pretrained"}:
+        raise CheckpointError(f"{path}: expected an object with family and pretrained")
+    return trained
+
+
+def backbone_differences(spec: str | None, family: str, pretrained: str) -> list[str]:
+    """`family X (trained with Y)`, `pretrained ...` for each way the backbone running the
+    Allocator `spec` differs from the one it was trained with; empty when it was recorded as the same
+    or not recorded."""
+    trained, running = training_backbone(spec), backbone_identity(family, pretrained)
+    return [f"{key} {running[key]} (trained with {trained[key]})" for key in trained if trained[key] != running[key]]
 
 
 def known_allocators() -> list[str]:

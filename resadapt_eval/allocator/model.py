@@ -121,7 +121,8 @@ class DecoderLayer(nn.Module):
         self.self_attn = nn.MultiheadAttention(width, heads, batch_first=True)
         self.norm_cross = nn.LayerNorm(width)
         self.cross_attn = nn.MultiheadAttention(width, heads, batch_first=True)
-        self.gate = nn.Parameter(torch.tensor(math.log(gate_init / (1 - gate_init))))  # sigmoid(gate) = gate_init
+        # sigmoid(gate) = gate_init; on the default device, as nn.Linear's weights (`.to(device)` moves them all)
+        self.gate = nn.Parameter(torch.tensor(math.log(gate_init / (1 - gate_init))))  # cpu: a new parameter
         self.norm_ffn = nn.LayerNorm(width)
         self.ffn = nn.Sequential(nn.Linear(width, ffn_mult * width), nn.GELU(), nn.Linear(ffn_mult * width, width))
 
@@ -161,10 +162,11 @@ class Allocator(nn.Module):
         with torch.no_grad():
             if config.policy == "beta":  # softplus(b) + 1 = alpha0 / beta0  =>  b = softplus^-1(alpha0 - 1)
                 alpha0, beta0 = config.init_concentration * m, config.init_concentration * (1 - m)
-                self.head.bias.copy_(torch.tensor([alpha0 - 1, beta0 - 1]).expm1().log())
+                self.head.bias.copy_(torch.tensor([alpha0 - 1, beta0 - 1], device=self.head.bias.device).expm1().log())
             else:  # mu such that the mean action maps to scale 1.0 (logit(m) at m = 0.5); softplus(b) = init_sigma
                 mu0 = logit_normal_mu_for_mean(m, config.init_sigma)
-                self.head.bias.copy_(torch.tensor([mu0, math.log(math.expm1(config.init_sigma))]))
+                sigma0 = math.log(math.expm1(config.init_sigma))
+                self.head.bias.copy_(torch.tensor([mu0, sigma0], device=self.head.bias.device))
         torch.random.set_rng_state(generator_state)
 
     # ------------------------------------------------------------------ policy
@@ -284,6 +286,12 @@ class Allocator(nn.Module):
                 raise CheckpointError(
                     f"{weights}: {key} has shape {tuple(value.shape)}, the config expects {tuple(expected[key].shape)}"
                 )
+            if value.is_floating_point() and not bool(torch.isfinite(value).all()):
+                bad = int((~torch.isfinite(value)).sum())
+                raise CheckpointError(
+                    f"{weights}: tensor {key} holds {bad} non-finite value(s) (NaN or inf) of {value.numel()}; "
+                    "this checkpoint cannot give scales (retrain it, or take an earlier step's checkpoint)"
+                )
         model.load_state_dict(state, strict=False)
         return model
 
@@ -327,7 +335,7 @@ def logit_normal_actions(
         return torch.sigmoid(mu)
     if mode == "quantile":
         _check_quantile(quantile)
-        return torch.sigmoid(mu + sigma * Normal(0.0, 1.0).icdf(torch.tensor(quantile)))
+        return torch.sigmoid(mu + sigma * Normal(0.0, 1.0).icdf(torch.tensor(quantile, device=mu.device)))
     if mode == "sample":
         return _sample(TransformedDistribution(Normal(mu, sigma), SigmoidTransform()), seed, mu.device)
     raise ValueError(f"allocator inference must be one of {INFERENCE_MODES}, got {mode!r}")
@@ -359,10 +367,10 @@ def logit_normal_mu_for_mean(target: float, sigma: float) -> float:
     """The mu whose logit-normal mean at `sigma` is `target` (bisection; the mean rises with mu)."""
     if not 0 < target < 1:
         raise ValueError(f"target mean must be in (0, 1), got {target}")
-    sigma_t = torch.tensor(float(sigma), dtype=torch.float64)
+    sigma_t = torch.tensor(float(sigma), dtype=torch.float64)  # cpu: a scalar search at construction
 
     def mean_at(mu: float) -> float:
-        return float(logit_normal_mean(torch.tensor(mu, dtype=torch.float64), sigma_t))
+        return float(logit_normal_mean(torch.tensor(mu, dtype=torch.float64), sigma_t))  # cpu: as sigma_t
 
     lo, hi = -50.0, 50.0
     for _ in range(200):
@@ -381,14 +389,26 @@ def _check_quantile(quantile: float) -> None:
 
 def load_config(path: Path) -> AllocatorConfig:
     """Read and validate an Allocator `config.json`."""
+    expected = (
+        "allocator= takes an Allocator checkpoint folder (config.json and model.safetensors, as "
+        "`resadapt-eval train` saves them) or `untrained`"
+    )
     if not path.is_file():
-        raise CheckpointError(f"{path}: missing Allocator config")
+        found = "no such folder" if not path.parent.is_dir() else f"the folder has no {path.name}"
+        raise CheckpointError(f"{path}: missing Allocator config ({found}); {expected}")
     try:
         raw = json.loads(path.read_text())
     except json.JSONDecodeError as exc:
         raise CheckpointError(f"{path}: not valid JSON ({exc})") from exc
-    version = raw.get("format_version")
-    if not isinstance(version, int) or version > FORMAT_VERSION:
+    if not isinstance(raw, dict) or "format_version" not in raw:
+        model = f", model_type {raw['model_type']!r}" if isinstance(raw, dict) and "model_type" in raw else ""
+        raise CheckpointError(
+            f"{path}: not an Allocator config (no format_version{model}: a model's config.json?); {expected}"
+        )
+    version = raw["format_version"]
+    if not isinstance(version, int) or isinstance(version, bool):
+        raise CheckpointError(f"{path}: format_version {version!r} is not a version number")
+    if version > FORMAT_VERSION:
         raise CheckpointError(
             f"{path}: format_version {version!r} is newer than this resadapt-eval reads ({FORMAT_VERSION}); "
             "upgrade resadapt-eval"

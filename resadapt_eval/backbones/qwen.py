@@ -193,21 +193,11 @@ class QwenVideoAdapter:
         deepstack = getattr(encoded, "deepstack_features", None)
         extra = [torch.cat(layer) for layer in deepstack] if deepstack is not None else []
         kept, sizes, (merged, *merged_deepstack) = merge_groups(compression, features, *extra)
-        video_at = torch.nonzero(full["mm_token_type_ids"][0] == VIDEO_TOKEN_TYPE).flatten()
-        keep_seq = torch.ones(full["input_ids"].shape[1], dtype=torch.bool, device=video_at.device)
-        keep_seq[video_at] = False
-        keep_seq[video_at[kept]] = True
         outputs = dict(pooler_output=[merged])
         if deepstack is not None:
             outputs["deepstack_features"] = [[d] for d in merged_deepstack]
-        inputs = dict(
-            input_ids=full["input_ids"][:, keep_seq],
-            attention_mask=full["attention_mask"][:, keep_seq],
-            mm_token_type_ids=full["mm_token_type_ids"][:, keep_seq],
-            position_ids=positions[..., keep_seq],
-            mm_encoder_outputs={"video": type(encoded)(**outputs)},
-        )
-        return inputs, sizes
+        encoder_outputs = {"video": type(encoded)(**outputs)}
+        return dict(compressed_sequence(full, positions, kept), mm_encoder_outputs=encoder_outputs), sizes
 
     # ------------------------------------------------------------------ pruning inside the LLM
     @property
@@ -375,6 +365,23 @@ class Qwen3VLAdapter(QwenVideoAdapter):
 
 
 ADAPTERS = {"qwen25vl": Qwen25VLAdapter, "qwen3vl": Qwen3VLAdapter}
+
+
+def compressed_sequence(full: dict, positions: torch.Tensor, kept: torch.Tensor) -> dict:
+    """The prompt of `full` (`build_inputs` output) and its M-RoPE `positions` (3, 1, L) with only
+    the video tokens at `kept` left (indices among the video tokens, as `merge_groups` returns
+    them): input_ids, attention_mask, mm_token_type_ids and position_ids; every other token and
+    every position stay as they were."""
+    video_at = torch.nonzero(full["mm_token_type_ids"][0] == VIDEO_TOKEN_TYPE).flatten()
+    keep_seq = torch.ones(full["input_ids"].shape[1], dtype=torch.bool, device=video_at.device)
+    keep_seq[video_at] = False
+    keep_seq[video_at[kept]] = True
+    return dict(
+        input_ids=full["input_ids"][:, keep_seq],
+        attention_mask=full["attention_mask"][:, keep_seq],
+        mm_token_type_ids=full["mm_token_type_ids"][:, keep_seq],
+        position_ids=positions[..., keep_seq],
+    )
 
 
 def check_flash_attention(dtype: str, config) -> None:

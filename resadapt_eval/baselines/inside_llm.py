@@ -201,7 +201,9 @@ class LayerPruner:
 
     language_model: the decoder stack (`model.model.language_model`); stages: the schedule;
     visual_positions: (N,) indices of the visual tokens in the prompt. After the call,
-    `layer_tokens` holds the visual tokens each layer saw and `flops` the ranking's FLOPs."""
+    `layer_tokens` holds the visual tokens each layer saw and `flops` the ranking's FLOPs.
+    Its index bookkeeping (visual positions, kept indices) is on the CPU: a stage's scores come
+    over with one `.cpu()`, and each index moves to the device of the tensor it indexes."""
 
     def __init__(self, language_model, stages: list[Stage], visual_positions: torch.Tensor):
         self.layers = language_model.layers
@@ -241,7 +243,9 @@ class LayerPruner:
             if hidden.shape[1] > 1:  # prefill: rank by the attention the stage asks for
                 cos, sin = kwargs["position_embeddings"]
                 if stage.rank_by == TEXT_AFTER_VISUAL:
-                    seen = self.kept if self.kept is not None else torch.arange(hidden.shape[1])
+                    seen = self.kept
+                    if seen is None:
+                        seen = torch.arange(hidden.shape[1])  # cpu: prompt indices, as self.kept and self.visual
                     after = int(torch.nonzero(torch.isin(seen, self.visual)).max()) + 1
                     self.scores, flops = counted_flops(text_attention, module, hidden, cos, sin, after)
                 else:
@@ -274,7 +278,8 @@ class LayerPruner:
                     kwargs["position_ids"] = kwargs["position_ids"][:, kept.to(kwargs["position_ids"].device)]
             mask = kwargs.get("attention_mask")
             if torch.is_tensor(mask):
-                columns = torch.cat([kept, torch.arange(self.prompt_length, mask.shape[-1])]).to(mask.device)
+                generated = torch.arange(self.prompt_length, mask.shape[-1])  # cpu: indices, as `kept`
+                columns = torch.cat([kept, generated]).to(mask.device)
                 mask = mask[..., columns]
                 kwargs["attention_mask"] = mask[..., kept.to(mask.device), :] if prefill else mask
             args = (hidden, *args[1:]) if args else args
@@ -289,7 +294,7 @@ class LayerPruner:
         (the dropped ones merged into them first, with `stage.merge`)."""
         if self.kept is None:
             self.prompt_length = hidden.shape[1]
-            self.kept = torch.arange(self.prompt_length)
+            self.kept = torch.arange(self.prompt_length)  # cpu: prompt indices, as self.visual
         is_visual = torch.isin(self.kept, self.visual)
         local_visual = torch.nonzero(is_visual).flatten()
         scores = self.scores.cpu()[local_visual]

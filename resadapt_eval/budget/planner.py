@@ -12,13 +12,29 @@ from typing import Sequence
 import numpy as np
 
 from .plan import ResizePlan, TokenGrid, base_size, plan_from_scales, project_jointly
-from .policies import BudgetSpec
+from .policies import BUDGET_RULES, BudgetSpec
 from .selection import select_frames, select_frames_even, select_pairs
 
 # Base-size bounds in tokens per frame: qwen-vl-utils' video cap (768); its 128-token video floor
 # is not applied, so small videos are not upscaled.
 DEFAULT_MIN_TOKENS_PER_FRAME = 4
 DEFAULT_MAX_TOKENS_PER_FRAME = 768
+
+
+AUTHORS_BASE_GRID_PX = BUDGET_RULES["authors_code"]["base_grid_px"]  # 28, Qwen2.5-VL's grid
+
+
+def check_base_grid(spec: BudgetSpec, grid: TokenGrid) -> None:
+    """`spec.base_grid_px` must keep the vanilla reference: the backbone's own grid (`grid`), or
+    the authors' code's 28 px; any other grid changes the base frame size R is measured against."""
+    px = spec.base_grid_px
+    if px is not None and px not in (grid.token_px, AUTHORS_BASE_GRID_PX):
+        allowed = sorted({grid.token_px, AUTHORS_BASE_GRID_PX})
+        raise ValueError(
+            f"base_grid_px={px}: the base (vanilla) frame size, which R is measured against, is rounded to this "
+            f"backbone's grid ({grid.token_px} px) or to the authors' code's {AUTHORS_BASE_GRID_PX} px; "
+            f"allowed: {' or '.join(map(str, allowed))} (or leave it out for the backbone's)"
+        )
 
 
 @dataclass(frozen=True)
@@ -30,6 +46,9 @@ class Planner:
     spec: BudgetSpec
     min_pixels: int | None = None
     max_pixels: int | None = None
+
+    def __post_init__(self):
+        check_base_grid(self.spec, self.grid)
 
     def base_hw(self, frame_hw: tuple[int, int]) -> tuple[int, int]:
         """Base (vanilla) size in pixels of frames of `frame_hw` pixels, on the token grid or on

@@ -403,8 +403,10 @@ def row_flops(
         visual = entering_tokens(method.prune, retention, visual, len(plan.grids), layers, None, first)
     elif method.compress is not None:
         visual = kept_count(retention, visual, len(plan.grids))
-    if method.engine_pruning is not None:  # the engine keeps floor(R N), and at least the first pair
-        visual = max(plan.grids[0][0] * plan.grids[0][1] * plan.grids[0][2], int(visual * retention))
+    if method.engine_pruning is not None:  # the engine's count at our rate: floor(R N), at least the first pair
+        visual = max(
+            plan.grids[0][0] * plan.grids[0][1] * plan.grids[0][2], int(visual * (1 - method.pruning_rate(retention)))
+        )
     scoring = allocator.flops(frames, query_tokens) if method.needs_allocator else 0
     prompt, ranking = visual + text_tokens, None
     if method.prune is not None:  # the stages' layer counts, each ranked in the layer before it

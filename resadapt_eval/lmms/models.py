@@ -7,7 +7,6 @@ and `resadapt_qwen3vl` (any method), and one class per registered method and bac
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from dataclasses import asdict
@@ -22,13 +21,22 @@ from lmms_eval.utils import sanitize_model_name
 from loguru import logger
 from tqdm import tqdm
 
-from ..allocator import BUDGET_FILE, training_budget
-from ..backbones.qwen import Qwen3VLAdapter, Qwen25VLAdapter, QwenVideoAdapter
+from ..allocator import (
+    BUDGET_FILE,
+    backbone_differences,
+    budget_source,
+    check_checkpoint,
+    training_backbone,
+    training_budget,
+)
+from ..backbones.qwen import ADAPTERS, Qwen3VLAdapter, Qwen25VLAdapter, QwenVideoAdapter
+from ..budget.plan import TokenGrid
+from ..budget.planner import check_base_grid
 from ..budget.policies import BudgetSpec
 from ..manifest import git_revision, merge_totals, run_summary, sample_totals, versions, write_json
 from ..methods import METHODS, Method
 from ..pipeline import Request, VideoPipeline, VideoPipelineConfig
-from ..record import SampleRecord, build_record
+from ..record import SampleRecord, build_record, sidecar_line
 from ..video import is_moving_video
 from .manifests import class_name
 
@@ -72,15 +80,8 @@ class ResAdaptQwen(lmms):
         **model_args,
     ):
         super().__init__()
-        method = model_args.pop("method", None)
-        if self.fixed_method and method not in (None, self.fixed_method):
-            raise ValueError(
-                f"{type(self).__name__} runs method={self.fixed_method}; use resadapt_<backbone> for method={method}"
-            )
-        if int(batch_size) != 1:
-            raise ValueError("resadapt models run batch_size=1 (each sample has its own per-pair sizes)")
-        config = config_from_model_args(method=method or self.fixed_method or "vanilla", **model_args)
-        self.check_engine(METHODS[config.method])
+        config = self.checked_config(batch_size=batch_size, max_batch_size=max_batch_size, dtype=dtype, **model_args)
+        _check_pretrained(str(pretrained))
         from accelerate import Accelerator
 
         device = device or ("cuda" if _cuda_available() else "cpu")
@@ -91,6 +92,12 @@ class ResAdaptQwen(lmms):
         if device == "cuda" and self._world_size > 1:
             device = f"cuda:{self.accelerator.local_process_index}"  # one GPU per process
         self.method, self.strict = config.method, config.strict
+        differences = backbone_differences(config.allocator, self.backbone_family(), str(pretrained))
+        if differences:
+            logger.warning(
+                f"the Allocator {config.allocator} was trained with another backbone: {'; '.join(differences)}; "
+                "its scales were learned for that backbone's answers"
+            )
         backbone = self._build_backbone(
             str(pretrained), config, device=device, dtype=dtype, attn_implementation=_none_or(attn_implementation, str)
         )
@@ -107,7 +114,59 @@ class ResAdaptQwen(lmms):
             **asdict(config.budget),
         )
         self.allocator_budget = training_budget(config.allocator)
+        self.allocator_backbone = training_backbone(config.allocator)
         self._totals: list[dict] = []  # per generate_until call, summed over processes
+
+    @classmethod
+    def create_from_arg_string(cls, arg_string: str, additional_config: dict | None = None):
+        """lmms-eval's constructor from `--model_args` and the command line's `--batch_size`,
+        `--max_batch_size`, `--device`: a setting given both ways is taken once (the same value) or
+        refused naming both, where lmms-eval's own raises a TypeError; a batch size other than 1,
+        from either, is refused saying why (`checked_config`)."""
+        from lmms_eval.utils import simple_parse_args_string
+
+        args = simple_parse_args_string(arg_string)
+        extra = {k: v for k, v in (additional_config or {}).items() if v is not None}
+        if "batch_size" in extra:
+            _check_batch_size(extra["batch_size"], f"--batch_size {extra.pop('batch_size')}")
+        for key in sorted(set(args) & set(extra)):
+            if str(args[key]) != str(extra.pop(key)):
+                raise ValueError(
+                    f"model_args {key}={args[key]!r} and the command line's --{key} {additional_config[key]!r} "
+                    "disagree; give it once"
+                )
+        return cls(**args, **extra)
+
+    @classmethod
+    def checked_config(
+        cls, batch_size: int | str = 1, max_batch_size: int | None = None, dtype: str = "auto", **model_args
+    ) -> VideoPipelineConfig:
+        """The pipeline settings of these model_args (as lmms-eval hands them over, without
+        `pretrained`, `device`, `attn_implementation`, `sidecar_dir`), checked as far as they can be
+        without loading weights: every bad setting stops here, naming its argument. The sweep calls
+        it on every cell before the first one runs."""
+        method = model_args.pop("method", None)
+        if cls.fixed_method and method not in (None, cls.fixed_method):
+            raise ValueError(
+                f"{cls.__name__} runs method={cls.fixed_method}; use resadapt_<backbone> for method={method}"
+            )
+        _check_batch_size(batch_size, f"model_args batch_size={batch_size!r}")
+        if dtype != "auto" and not _is_torch_dtype(dtype):
+            raise ValueError(f"model_args dtype={dtype!r}: expected auto or a torch dtype (float32, bfloat16, float16)")
+        config = config_from_model_args(method=method or cls.fixed_method or "vanilla", **model_args)
+        cls.check_engine(METHODS[config.method])
+        check_base_grid(config.budget, cls.layout_grid())
+        return config
+
+    @classmethod
+    def backbone_family(cls) -> str:
+        """`qwen25vl` or `qwen3vl`."""
+        return next(name for name, adapter in ADAPTERS.items() if adapter is cls.adapter_cls)
+
+    @classmethod
+    def layout_grid(cls) -> TokenGrid:
+        """The token grid of this class's backbone family."""
+        return ADAPTERS[cls.backbone_family()].layout_cls.grid
 
     @classmethod
     def check_engine(cls, method: Method) -> None:
@@ -164,7 +223,7 @@ class ResAdaptQwen(lmms):
                 for pad in padding:
                     text, record = ("", None) if pad else next(answers)
                     if record is not None:
-                        sidecar.write(json.dumps(record.to_dict(), allow_nan=False) + "\n")
+                        sidecar.write(sidecar_line(record))
                         records.append(record)
                     counts = TokenCounts(
                         input_tokens=record.input_tokens if record else 0,
@@ -288,6 +347,8 @@ class ResAdaptQwen(lmms):
             model=type(self).__name__,
             model_args=self.model_args,
             allocator_budget=self.allocator_budget,
+            allocator_budget_source=budget_source(self.pipeline.config.allocator),
+            allocator_backbone=self.allocator_backbone,
             world_size=self.world_size,
             versions=versions(),
             git_revision=git_revision(),
@@ -317,6 +378,8 @@ def config_from_model_args(**model_args) -> VideoPipelineConfig:
             f"unknown model_args {', '.join(unknown)}; known: pretrained, device, dtype, attn_implementation, "
             f"sidecar_dir, {', '.join(fields)}"
         )
+    if isinstance(model_args.get("prune_layers"), float) and model_args["prune_layers"].is_integer():
+        model_args["prune_layers"] = int(model_args["prune_layers"])  # lmms-eval reads `-1` as -1.0
     values = {name: _cast(name, value, fields[name]) for name, value in model_args.items()}
     values = _with_training_budget(values)
     budget = BudgetSpec(**{name: values.pop(name) for name in get_type_hints(BudgetSpec) if name in values})
@@ -324,8 +387,18 @@ def config_from_model_args(**model_args) -> VideoPipelineConfig:
 
 
 def _with_training_budget(values: dict) -> dict:
-    """`values` with the settings of the Allocator checkpoint's training budget that were not given."""
+    """`values` with the settings of the Allocator checkpoint's training budget that were not given
+    (its config.json checked too); a checkpoint without one is warned about."""
     trained = training_budget(values.get("allocator"))
+    check_checkpoint(values.get("allocator"))
+    if budget_source(values.get("allocator")) == "missing":
+        given = {k: values[k] for k in ("s_min", "s_max") if k in values}
+        s_range = given or "the default s in [0.2, 1.8]"
+        logger.warning(
+            f"the Allocator {values['allocator']} has no {BUDGET_FILE}: the budget it was trained under (scale "
+            f"range, token bounds, frames, pixels) is unknown, so this run uses model_args and the defaults "
+            f"({s_range}); every sidecar record says allocator_budget=missing"
+        )
     taken = {key: value for key, value in trained.items() if key not in values}
     for key, value in trained.items():
         if key in values and values[key] != value:
@@ -370,6 +443,49 @@ def _check_loading(device: str, dtype: str) -> None:
         raise ValueError(f"model_args device={device!r}: no CUDA device is available here (use device=cpu)")
     if dtype != "auto" and not isinstance(getattr(torch, str(dtype), None), torch.dtype):
         raise ValueError(f"model_args dtype={dtype!r}: expected auto or a torch dtype (float32, bfloat16, float16)")
+
+
+def _check_batch_size(value, given: str) -> None:
+    """Batch size 1 only (`given`: how it was given, model_args `batch_size` or lmms-eval's `--batch_size`)."""
+    if str(value).strip() != "1":
+        raise ValueError(
+            f"{given}: resadapt models answer one request at a time per process (batch size 1): each "
+            "sample has its own per-pair frame sizes and visual token count, so requests are not padded into "
+            "one batch; for throughput run data parallel (`accelerate launch --num_processes N -m lmms_eval`)"
+        )
+
+
+def _check_pretrained(pretrained: str) -> None:
+    """Stop at start on a `pretrained` that is neither a model folder nor a hub id that can be
+    read: a path that does not exist (said as such, not as a malformed hub id), a file, a folder
+    without config.json, or, with the Hugging Face hub offline (HF_HUB_OFFLINE), a hub id with no
+    cached copy."""
+    from huggingface_hub import constants, try_to_load_from_cache
+
+    path = Path(pretrained).expanduser()
+    where = f"model_args pretrained={pretrained!r}"
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise ValueError(f"{where}: the folder has no config.json, so it holds no saved model")
+        return
+    if path.exists():
+        raise ValueError(f"{where} is a file; expected a model folder (config.json and weights) or a hub id")
+    offline = bool(constants.HF_HUB_OFFLINE)
+    looks_local = path.is_absolute() or pretrained.startswith((".", "~")) or pretrained.count("/") > 1
+    if looks_local:
+        hub = ", and the Hugging Face hub is offline (HF_HUB_OFFLINE)" if offline else ", and it is not a hub id"
+        raise ValueError(f"{where}: no such folder{hub}")
+    if offline and not isinstance(try_to_load_from_cache(pretrained, "config.json"), str):
+        raise ValueError(
+            f"{where}: no such folder, and the Hugging Face hub is offline (HF_HUB_OFFLINE) with no cached copy "
+            "of that hub id"
+        )
+
+
+def _is_torch_dtype(name) -> bool:
+    import torch
+
+    return isinstance(getattr(torch, str(name), None), torch.dtype)
 
 
 def _cuda_available() -> bool:

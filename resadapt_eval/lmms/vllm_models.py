@@ -12,7 +12,7 @@ from __future__ import annotations
 from ..methods import METHODS, Method, get_method
 from ..pipeline import VideoPipelineConfig
 from .manifests import class_name
-from .models import ResAdaptQwen, _none_or
+from .models import ResAdaptQwen, _cast
 
 
 class ResAdaptQwenVLLM(ResAdaptQwen):
@@ -37,17 +37,52 @@ class ResAdaptQwenVLLM(ResAdaptQwen):
         seed: int = 0,
         **kwargs,
     ):
-        self.engine_args = dict(
-            tensor_parallel_size=int(tensor_parallel_size),
-            gpu_memory_utilization=float(gpu_memory_utilization),
-            kv_cache_memory_bytes=_none_or(kv_cache_memory_bytes, int),
-            max_model_len=_none_or(max_model_len, int),
-            seed=int(seed),
+        self.engine_args, self.chunk_size = self.engine_settings(
+            tensor_parallel_size, gpu_memory_utilization, kv_cache_memory_bytes, max_model_len, chunk_size, seed
         )
-        self.chunk_size = int(chunk_size)
-        if self.chunk_size < 1:
-            raise ValueError(f"chunk_size must be at least 1, got {chunk_size}")
         super().__init__(pretrained, **kwargs)
+
+    @staticmethod
+    def engine_settings(
+        tensor_parallel_size=1,
+        gpu_memory_utilization=0.9,
+        kv_cache_memory_bytes=None,
+        max_model_len=None,
+        chunk_size=32,
+        seed=0,
+    ) -> tuple[dict, int]:
+        """vLLM's arguments and the chunk size from model_args; a bad value names its argument."""
+        engine_args = dict(
+            tensor_parallel_size=_cast("tensor_parallel_size", tensor_parallel_size, int),
+            gpu_memory_utilization=_cast("gpu_memory_utilization", gpu_memory_utilization, float),
+            kv_cache_memory_bytes=_cast("kv_cache_memory_bytes", kv_cache_memory_bytes, int | None),
+            max_model_len=_cast("max_model_len", max_model_len, int | None),
+            seed=_cast("seed", seed, int),
+        )
+        chunk = _cast("chunk_size", chunk_size, int)
+        if chunk < 1:
+            raise ValueError(f"chunk_size must be at least 1, got {chunk_size}")
+        return engine_args, chunk
+
+    @classmethod
+    def checked_config(
+        cls,
+        tensor_parallel_size=1,
+        gpu_memory_utilization=0.9,
+        kv_cache_memory_bytes=None,
+        max_model_len=None,
+        chunk_size=32,
+        seed=0,
+        **model_args,
+    ) -> VideoPipelineConfig:
+        cls.engine_settings(
+            tensor_parallel_size, gpu_memory_utilization, kv_cache_memory_bytes, max_model_len, chunk_size, seed
+        )
+        return super().checked_config(**model_args)
+
+    @classmethod
+    def backbone_family(cls) -> str:
+        return cls.family
 
     @classmethod
     def check_engine(cls, method: Method) -> None:

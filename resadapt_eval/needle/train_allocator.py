@@ -3,7 +3,7 @@
 The YAML is the `resadapt-eval train` layout (train/config.py); `configs/needle_allocator.yaml`
 is the recipe behind the committed checkpoint. The trainer's checkpoints and `metrics.jsonl` go
 to the YAML's `output_dir`; the final Allocator (`config.json`, `model.safetensors`: trainable
-weights only; `budget.json`: the budget it was trained under) is copied to `out` with a
+weights only; `budget.json`: the budget it was trained under; `backbone.json`: the backbone) is copied to `out` with a
 `training.txt` (the YAML, seconds, last metrics).
 """
 
@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..allocator import BUDGET_FILE
+from ..allocator import BACKBONE_FILE, BUDGET_FILE
 from ..train.config import build_trainer
 from ..train.trainer import CHECKPOINTS
 
@@ -33,7 +33,7 @@ def train_allocator(
     final = trainer.output_dir / CHECKPOINTS / f"step-{trainer.step:06d}" / "allocator"
     out = Path(out) if out is not None else trainer.output_dir / "final"
     out.mkdir(parents=True, exist_ok=True)
-    for name in ("config.json", "model.safetensors", BUDGET_FILE):
+    for name in ("config.json", "model.safetensors", BUDGET_FILE, BACKBONE_FILE):
         if (final / name).is_file():
             shutil.copy2(final / name, out / name)
     tail = history[-10:]

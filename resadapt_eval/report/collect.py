@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import json
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -152,6 +153,26 @@ def sample_score(sample: dict) -> float | None:
     return None
 
 
+def read_jsonl(path: Path, skipped: str) -> tuple[list[dict], int]:
+    """The JSON objects of a JSONL file and how many lines could not be read: a broken line (a
+    record cut short when a run was killed mid-write, say) is skipped with a warning naming the
+    file, the line and `skipped` (what becomes of it), and the rest is read."""
+    rows, broken = [], 0
+    for number, line in enumerate(path.read_text(errors="replace").splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+            if not isinstance(row, dict):
+                raise ValueError(f"a JSON {type(row).__name__}, not an object")
+        except ValueError as exc:  # json.JSONDecodeError included
+            warnings.warn(f"{path}, line {number}: unreadable {skipped} ({exc})", stacklevel=2)
+            broken += 1
+            continue
+        rows.append(row)
+    return rows, broken
+
+
 def collect(run_dir: str | Path, include_failed: bool = False) -> list[CellRun]:
     """Every `done` cell under `run_dir` (a sweep's --output); with `include_failed`, also the
     cells that ran to the end but had more failed samples than allowed (status `failed`)."""
@@ -180,13 +201,15 @@ def collect(run_dir: str | Path, include_failed: bool = False) -> list[CellRun]:
             run.scores.update(scores)
             run.columns_by_table.setdefault(table_of(task), []).extend(scores)
         for sidecar in sorted(cell_dir.rglob("resadapt_samples_*.jsonl")):
-            run.records += [json.loads(line) for line in sidecar.read_text().splitlines() if line.strip()]
+            records, broken = read_jsonl(sidecar, "sidecar record; skipped, its sample counted as failed")
+            run.records += records
+            run.failed_samples += broken
+            run.samples = max(run.samples, run.failed_samples)
         for samples in sorted(cell_dir.rglob("*_samples_*.jsonl")):
             if samples.name.startswith("resadapt_samples_"):
                 continue
             task = samples.stem.split("_samples_", 1)[1]
-            for line in samples.read_text().splitlines():
-                sample = json.loads(line)
+            for sample in read_jsonl(samples, "lmms-eval sample; skipped, its score left out")[0]:
                 score = sample_score(sample)
                 if score is not None:
                     run.outcomes[(task, int(sample["doc_id"]))] = score

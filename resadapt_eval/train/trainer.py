@@ -2,7 +2,8 @@
 CAPO advantages, PPO epochs on the Allocator; optionally a token-level PPO step on the backbone.
 
 Checkpoints go to `output_dir/checkpoints/step-XXXXXX/` (`allocator/` loadable by
-`method=resadapt,allocator=...`, with `budget.json`: the rollout engine's budget settings;
+`method=resadapt,allocator=...`, with `budget.json`: the rollout engine's budget settings, and
+`backbone.json`: the backbone the rollouts ran on (family, pretrained);
 `trainer.pt` with the step and optimiser state; `backbone/` when the backbone is trained);
 per-step metrics to `output_dir/metrics.jsonl`.
 
@@ -29,7 +30,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from ..allocator import BUDGET_FILE, Allocator
+from ..allocator import BACKBONE_FILE, BUDGET_FILE, Allocator, backbone_identity
 from ..capo.losses import (
     CAPOConfig,
     allocation_advantage,
@@ -100,6 +101,15 @@ def prompt_seed(seed: int, step: int, index: int) -> int:
 def latest_checkpoint(output_dir: str | Path) -> Path | None:
     done = sorted(p.parent for p in Path(output_dir, CHECKPOINTS).glob(f"step-*/{COMPLETE}"))
     return done[-1] if done else None
+
+
+def trained_backbone(adapter) -> dict:
+    """`backbone.json` of a checkpoint trained with the HF backbone `adapter`: its family and the
+    folder or hub id it was loaded from (`allocator.backbone_identity`)."""
+    from ..backbones.qwen import ADAPTERS
+
+    family = next(name for name, cls in ADAPTERS.items() if isinstance(adapter, cls))
+    return backbone_identity(family, adapter.model.config._name_or_path)
 
 
 class AllocatorTrainer:
@@ -315,6 +325,9 @@ class AllocatorTrainer:
             budget = self.engine.budget_settings()
             if budget is not None:  # the budget the Allocator was trained under, keyed as model_args
                 write_json(folder / "allocator" / BUDGET_FILE, budget)
+            adapter = getattr(self.engine, "adapter", None)
+            if adapter is not None:  # the backbone it was trained with: evaluation warns when another runs it
+                write_json(folder / "allocator" / BACKBONE_FILE, trained_backbone(adapter))
             # No RNG state: every prompt's randomness is re-derived from (seed, step, index).
             state = dict(step=self.step, optimizer=self.optimizer.state_dict(), config=asdict(self.config))
             if self.config.train_backbone:

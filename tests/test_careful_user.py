@@ -1,0 +1,430 @@
+"""What a careful user hits first (issue 31, item 6): each case stops at start naming the
+argument or file, or fails one sample with its reason while the run goes on; in-process, through
+the lmms-eval model classes and the CLI's functions."""
+
+import json
+import re
+
+import pytest
+import torch
+
+from resadapt_eval.allocator import Allocator, AllocatorConfig, CheckpointError
+
+VIDEOS = ("smoke_000.mp4", "smoke_001.mp4")
+
+
+def tiny_allocator(directory, **overrides):
+    config = AllocatorConfig(**{**dict(encoder="tiny", width=32, num_heads=4, num_layers=2), **overrides})
+    return Allocator(config).save_pretrained(directory)
+
+
+def lmms_model(fixtures_dir, tmp_path, backbone="qwen25vl", **model_args):
+    from resadapt_eval.lmms import models
+
+    cls = models.ResAdaptQwen25VL if backbone == "qwen25vl" else models.ResAdaptQwen3VL
+    args = dict(pretrained=str(fixtures_dir / backbone), max_num_frames=8, device="cpu", dtype="float32")
+    return cls(**{**args, "sidecar_dir": str(tmp_path / "sidecars"), **model_args})
+
+
+def answer(model, fixtures_dir, videos=VIDEOS):
+    """`generate_until` on one lmms-eval instance per smoke video, as lmms-eval calls it; the
+    answers and the sidecar records."""
+    from lmms_eval.api.instance import Instance
+
+    folder = fixtures_dir / "smoke_videoqa" / "videos"
+    model.task_dict = {"t": {"test": {i: dict(video=str(folder / v)) for i, v in enumerate(videos)}}}
+
+    def messages(doc):
+        return [{"role": "user", "content": [{"type": "video", "url": doc["video"]}, {"type": "text", "text": "Q?"}]}]
+
+    instances = [
+        Instance(
+            "generate_until",
+            ("", messages, dict(max_new_tokens=2), i, "t", "test"),
+            i,
+            dict(task="t", doc_id=i, repeats=1),
+        )
+        for i in range(len(videos))
+    ]
+    results = model.generate_until(instances)
+    records = [json.loads(line) for line in model.sidecar_path.read_text().splitlines()]
+    return [r.text for r in results], records
+
+
+# ---------------------------------------------------------------- 1. non-finite Allocator weights and records
+
+
+def test_an_allocator_checkpoint_with_nan_weights_is_refused_at_load_naming_file_and_tensor(tmp_path):
+    folder = tiny_allocator(tmp_path / "nan")
+    from safetensors.torch import load_file, save_file
+
+    weights = folder / "model.safetensors"
+    state = load_file(str(weights))
+    state["head.weight"][0, 0] = float("nan")
+    save_file(state, str(weights))
+    with pytest.raises(CheckpointError, match=rf"{weights}: tensor head.weight holds 1 non-finite value"):
+        Allocator.from_pretrained(folder)
+
+
+def test_a_non_finite_value_fails_its_sample_and_the_run_goes_on(fixtures_dir, tmp_path):
+    folder = tiny_allocator(tmp_path / "alloc")
+    model = lmms_model(fixtures_dir, tmp_path, method="resadapt", allocator=str(folder), retention=0.25)
+    with torch.no_grad():  # weights that turn NaN after loading (the checkpoint itself is refused)
+        model.pipeline.allocator.allocator.head.weight.fill_(float("nan"))
+    texts, records = answer(model, fixtures_dir)
+    assert texts == ["", ""]
+    assert len(records) == 2
+    assert all("non-finite values (NaN or inf) in raw_scales" in r["error"] for r in records)
+    assert all(r["raw_scales"] is None for r in records)
+    manifest = json.loads(model.manifest_path.read_text())
+    assert (manifest["samples"], manifest["failed_samples"]) == (2, 2)
+
+
+def test_the_record_writer_turns_a_non_finite_number_into_a_failed_sample():
+    from resadapt_eval.record import SampleRecord, sidecar_line
+
+    record = SampleRecord(
+        doc_id=3, task="t", method="vanilla", achieved_retention=float("inf"), scales=[1.0, float("nan")]
+    )
+    line = json.loads(sidecar_line(record))
+    assert line["error"] == "ValueError: non-finite values (NaN or inf) in scales, achieved_retention"
+    assert line["scales"] is None and line["achieved_retention"] is None and line["doc_id"] == 3
+
+
+# ---------------------------------------------------------------- 2, 3. prune_layers and floors, at load
+
+
+def lmms_args(text: str) -> dict:
+    """model_args as lmms-eval hands them to the class (`-1` a float, `100` an int)."""
+    from lmms_eval.utils import simple_parse_args_string
+
+    return simple_parse_args_string(text)
+
+
+@pytest.mark.parametrize(
+    "method, prune_layers, message",
+    [
+        ("pyramiddrop", "100", r"model_args prune_layers \[100\] must lie in \[1, 11\] on this LLM of 12 layers"),
+        ("fastv", "12", r"prune_layers \[12\] must lie in \[1, 11\]"),
+        ("fastv", "0", r"prune_layers \[0\] must lie in \[1, 11\]"),
+        ("fastv", "-1", r"prune_layers \[-1\] must lie in \[1, 11\]"),
+        ("pyramiddrop", "-1;5", r"prune_layers \[-1, 5\] must lie in \[1, 11\]"),
+        ("pyramiddrop", "9;6;3", r"prune_layers must be strictly increasing, got \[9, 6, 3\]"),
+        ("pyramiddrop", "3;3;3", r"prune_layers must be strictly increasing, got \[3, 3, 3\]"),
+        ("fastv", "2;4", "prune_layers='2;4' names 2 layers; method=fastv prunes at 1 layer"),
+        ("pyramiddrop", "", "prune_layers is empty"),
+    ],
+)
+def test_prune_layers_the_llm_cannot_take_stop_at_load_naming_the_argument(
+    fixtures_dir, tmp_path, method, prune_layers, message
+):
+    args = lmms_args(f"method={method},retention=0.5,prune_layers={prune_layers}")
+    with pytest.raises(ValueError, match=message):
+        lmms_model(fixtures_dir, tmp_path, **args)
+
+
+@pytest.mark.parametrize(
+    "method, retention, prune_layers, message",
+    [
+        (
+            "pyramiddrop",
+            0.25,
+            None,
+            r"retention=0.25 with the default prune_layers: PyramidDrop with stages at \[3, 6, 9\] keeps a "
+            "layer-averaged retention above 0.2500",
+        ),
+        ("pyramiddrop", 0.1, None, r"retention=0.1 with the default prune_layers: .* above 0.2500"),
+        ("pyramiddrop", 0.05, "1;4;8", r"retention=0.05 with prune_layers='1;4;8': .* above 0.0833"),
+        (
+            "fastv",
+            0.01,
+            None,
+            r"retention=0.01 with the default prune_layers: FastV pruning after layer 2 keeps .* above 0.1667",
+        ),
+    ],
+)
+def test_a_retention_below_the_floor_of_every_video_stops_at_load(
+    fixtures_dir, tmp_path, method, retention, prune_layers, message
+):
+    args = dict(method=method, retention=retention, **({"prune_layers": prune_layers} if prune_layers else {}))
+    with pytest.raises(ValueError, match=message) as caught:
+        lmms_model(fixtures_dir, tmp_path, **args)
+    assert "on every video on this LLM of 12 layers" in str(caught.value)
+
+
+def test_a_floor_that_depends_on_the_video_stays_per_sample(fixtures_dir, tmp_path):
+    """Just above PyramidDrop's 0.25: reachable on a long enough video, so the run starts and a
+    short one fails alone, naming its own floor."""
+    model = lmms_model(fixtures_dir, tmp_path, method="pyramiddrop", retention=0.2501)
+    texts, records = answer(model, fixtures_dir, videos=VIDEOS[:1])
+    assert texts == [""] and "InfeasibleBudget: retention 0.2501 is below the reachable floor" in records[0]["error"]
+
+
+# ---------------------------------------------------------------- 4. sweep --model-args, checked before any cell
+
+
+@pytest.mark.parametrize(
+    "model_args, message",
+    [
+        ("bogus_key=1", r"cell vanilla-f8 \(vanilla_qwen25vl\): unknown model_args bogus_key"),
+        ("s_min=abc", r"cell vanilla-f8 \(vanilla_qwen25vl\): model_args s_min='abc': expected float"),
+        ("prune_layers=2", "cell vanilla-f8 .*prune_layers= is only used by methods that prune inside the LLM"),
+        ("batch_size=2", "model_args batch_size=2: resadapt models answer one request at a time"),
+    ],
+)
+def test_sweep_model_args_that_would_stop_a_cell_stop_the_sweep_before_any_cell(
+    fixtures_dir, tmp_path, capsys, model_args, message
+):
+    from resadapt_eval.cli import main
+
+    from .conftest import REPO
+
+    out = tmp_path / "sweep"
+    argv = ["sweep", "--card", str(REPO / "model_cards" / "tiny-qwen25vl.yaml"), "--output", str(out)]
+    status = main([*argv, "--methods", "vanilla,fixed_scale", "--retention", "0.25", "--model-args", model_args])
+    assert status == 2
+    err = capsys.readouterr().err
+    assert err.startswith("sweep: cell ") and len(err.strip().splitlines()) == 1
+    assert re.search(message, err), err
+    assert not out.exists()  # no cell ran
+
+
+def test_a_sweep_retention_that_is_not_a_number_stops_naming_the_option(fixtures_dir, tmp_path, capsys):
+    from resadapt_eval.cli import main
+
+    from .conftest import REPO
+
+    argv = ["sweep", "--card", str(REPO / "model_cards" / "tiny-qwen25vl.yaml"), "--output", str(tmp_path / "s")]
+    assert main([*argv, "--methods", "fixed_scale", "--retention", "0.25,abc"]) == 2
+    assert "--retention numbers; got None, '0.25,abc'" in capsys.readouterr().err
+
+
+def test_the_sweep_checks_each_cell_with_its_own_model_class(fixtures_dir):
+    """A setting one method of the grid refuses stops the sweep at start, naming that cell."""
+    from resadapt_eval.sweep import check_cells, load_card, plan_cells, with_model_args
+
+    from .conftest import REPO
+
+    card = with_model_args(load_card(REPO / "model_cards" / "tiny-qwen25vl.yaml"), "prune_layers=2;4")
+    cells = plan_cells(["fastv"], [0.5], [8])
+    with pytest.raises(ValueError, match="cell fastv-r0.5-f8 .*names 2 layers; method=fastv prunes at 1 layer"):
+        check_cells(card, cells)
+    check_cells(with_model_args(card, "prune_layers=1"), cells)  # a good one passes
+
+
+# ---------------------------------------------------------------- 9. pretrained and batch_size
+
+
+def test_a_pretrained_folder_that_does_not_exist_is_named_as_such(fixtures_dir, tmp_path):
+    missing = tmp_path / "nonexistent"
+    with pytest.raises(
+        ValueError, match=rf"pretrained='{missing}': no such folder, and the Hugging Face hub is offline"
+    ):
+        lmms_model(fixtures_dir, tmp_path, pretrained=str(missing))
+    with pytest.raises(ValueError, match="no such folder, and the Hugging Face hub is offline .* no cached copy"):
+        lmms_model(fixtures_dir, tmp_path, pretrained="nobody/no-such-model")
+    with pytest.raises(ValueError, match="the folder has no config.json"):
+        lmms_model(fixtures_dir, tmp_path, pretrained=str(tmp_path))
+
+
+def lmms_model_at(fixtures_dir, tmp_path, **overrides):
+    args = dict(max_num_frames=8, device="cpu", dtype="float32", sidecar_dir=str(tmp_path / "sidecars"))
+    return dict(pretrained=str(fixtures_dir / "qwen25vl"), **{**args, **overrides})
+
+
+def test_a_batch_size_other_than_1_says_why_from_model_args_or_the_command_line(fixtures_dir, tmp_path):
+    from resadapt_eval.lmms.models import ResAdaptQwen25VL
+
+    command_line = dict(batch_size=1, max_batch_size=None, device=None)  # what lmms-eval's CLI passes
+    args = ",".join(f"{k}={v}" for k, v in lmms_model_at(fixtures_dir, tmp_path, batch_size=2).items())
+    with pytest.raises(
+        ValueError, match="model_args batch_size=2: resadapt models answer one request at a time per process"
+    ):
+        ResAdaptQwen25VL.create_from_arg_string(args, command_line)
+    args = ",".join(f"{k}={v}" for k, v in lmms_model_at(fixtures_dir, tmp_path).items())
+    with pytest.raises(ValueError, match="--batch_size 2: resadapt models answer one request at a time"):
+        ResAdaptQwen25VL.create_from_arg_string(args, {**command_line, "batch_size": "2"})
+    with pytest.raises(ValueError, match="model_args device='cpu' and the command line's --device 'meta' disagree"):
+        ResAdaptQwen25VL.create_from_arg_string(args, {**command_line, "device": "meta"})
+    model = ResAdaptQwen25VL.create_from_arg_string(args, {**command_line, "device": "cpu"})
+    assert model.pipeline.backbone.device.type == "cpu"
+
+
+# ---------------------------------------------------------------- 5. a truncated sidecar line
+
+
+def fake_cell(run_dir, name="vanilla-f8", samples=3):
+    """A finished cell as the sweep leaves it: cell.json, lmms-eval's results and a sidecar."""
+    from resadapt_eval.record import SampleRecord, sidecar_line
+
+    cell = run_dir / name
+    (cell / "out").mkdir(parents=True)
+    (cell / "out" / "x_results.json").write_text(
+        json.dumps({"results": {"resadapt_smoke_videoqa": {"videomme_perception_score,none": 50.0}}})
+    )
+    meta = dict(card="tiny", backbone="qwen25vl", paper_backbone=None, method="vanilla", retention=None, frames=8)
+    meta |= dict(status="done", results="out/x_results.json", samples=samples, failed_samples=0)
+    (cell / "cell.json").write_text(json.dumps(meta))
+    lines = [
+        sidecar_line(
+            SampleRecord(
+                doc_id=i, task="resadapt_smoke_videoqa", method="vanilla", achieved_retention=1.0, total_flops=10**12
+            )
+        )
+        for i in range(samples)
+    ]
+    sidecar = cell / "out" / "resadapt_samples_1_rank0.jsonl"
+    sidecar.write_text("".join(lines))
+    return sidecar
+
+
+def test_a_truncated_sidecar_line_is_skipped_with_a_warning_and_counted_failed(tmp_path, capsys):
+    from resadapt_eval.cli import main
+    from resadapt_eval.report.collect import collect
+
+    sidecar = fake_cell(tmp_path)
+    lines = sidecar.read_text().splitlines(keepends=True)
+    sidecar.write_text(lines[0] + lines[1][:60] + "\n" + lines[2])  # the second record cut short
+    with pytest.warns(
+        UserWarning,
+        match=rf"{sidecar}, line 2: unreadable sidecar record; skipped, its sample counted as failed "
+        r"\(Unterminated string",
+    ):
+        (run,) = collect(tmp_path, include_failed=True)
+    assert [r["doc_id"] for r in run.records] == [0, 2]
+    assert (run.samples, run.failed_samples) == (3, 1)
+    with pytest.warns(UserWarning, match="line 2: unreadable sidecar record"):
+        assert main(["tables", str(tmp_path), "--out", str(tmp_path / "tables")]) == 0
+    assert "| tiny | 8 | Vanilla | 100.0% | 1 | 50.0 |" in capsys.readouterr().out  # R of the readable records
+    with (tmp_path / "tables" / "video_qa.csv").open() as f:
+        (row,) = list(__import__("csv").DictReader(f))
+    assert (row["samples"], row["failed_samples"]) == ("3", "1")
+
+
+# ---------------------------------------------------------------- 6. base_grid_px keeps the vanilla reference
+
+
+def test_base_grid_px_takes_only_the_backbones_grid_or_the_authors_28(fixtures_dir, tmp_path):
+    from resadapt_eval.lmms.models import ResAdaptQwen3VL, ResAdaptQwen25VL
+
+    with pytest.raises(ValueError, match=r"base_grid_px=7: .* allowed: 28 \(or leave it out"):
+        lmms_model(fixtures_dir, tmp_path, base_grid_px=7)
+    with pytest.raises(ValueError, match=r"base_grid_px=32: .*this backbone's grid \(28 px\)"):
+        ResAdaptQwen25VL.checked_config(base_grid_px=32)
+    with pytest.raises(ValueError, match=r"base_grid_px=7: .* allowed: 28 or 32"):
+        ResAdaptQwen3VL.checked_config(base_grid_px=7)
+    for cls, grids in ((ResAdaptQwen25VL, (28,)), (ResAdaptQwen3VL, (28, 32))):
+        for px in grids:
+            assert cls.checked_config(base_grid_px=px).budget.base_grid_px == px
+    assert ResAdaptQwen3VL.checked_config(budget_rule="authors_code").budget.base_grid_px == 28
+    from resadapt_eval.lmms.vllm_models import ResAdaptQwen3VLVLLM
+
+    with pytest.raises(ValueError, match="base_grid_px=7"):
+        ResAdaptQwen3VLVLLM.checked_config(base_grid_px=7, chunk_size=4)
+    with pytest.raises(ValueError, match="model_args kv_cache_memory_bytes='lots': expected int"):
+        ResAdaptQwen3VLVLLM.checked_config(kv_cache_memory_bytes="lots")
+
+
+# ---------------------------------------------------------------- 7. resadapt-eval flops on bad input
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--size", "0x0"], "flops: --size takes WIDTHxHEIGHT in pixels, both at least 1 (e.g. 896x672), got '0x0'"),
+        (["--size", "wide"], "flops: --size takes WIDTHxHEIGHT"),
+        (["--size", "5000x10"], "flops: --size 5000x10: absolute aspect ratio must be smaller than 200"),
+        (["--frames", "-4"], "flops: --frames takes comma-separated frame counts, each at least 1, got '-4'"),
+        (["--backbone", "nope"], "flops: --backbone nope: unknown backbone 'nope'"),
+        (["--methods", "vanilla,nope"], "flops: --methods: unknown method 'nope'"),
+        (["--methods", "fixed_scale", "--retention", "-0.5"], "flops: --retention must be a finite positive number"),
+        (["--output-tokens", "-1"], "flops: --output-tokens must be at least 0, got -1"),
+        (["--methods", "resadapt", "--allocator", "nowhere"], "flops: --allocator nowhere: "),
+    ],
+)
+def test_flops_answers_bad_input_with_one_line_and_exit_2(capsys, argv, message):
+    from resadapt_eval.cli import main
+
+    assert main(["flops", *argv]) == 2
+    captured = capsys.readouterr()
+    assert captured.err.startswith(message) and len(captured.err.strip().splitlines()) == 1
+    assert captured.out == ""  # no table
+
+
+# ---------------------------------------------------------------- 8. Allocator folders
+
+
+def loguru_messages():
+    """A list that collects loguru's warnings while the test runs (lmms-eval's logger)."""
+    from loguru import logger
+
+    messages = []
+    handler = logger.add(lambda m: messages.append(str(m)), level="WARNING")
+    return messages, lambda: logger.remove(handler)
+
+
+def test_a_model_folder_given_as_allocator_is_not_an_allocator_config(fixtures_dir, tmp_path):
+    model_folder = fixtures_dir / "qwen25vl"
+    with pytest.raises(
+        CheckpointError,
+        match=rf"{model_folder / 'config.json'}: not an Allocator config \(no format_version, model_type 'qwen2_5_vl'",
+    ) as caught:
+        lmms_model(fixtures_dir, tmp_path, method="resadapt", allocator=str(model_folder), retention=0.25)
+    assert "upgrade" not in str(caught.value) and "or `untrained`" in str(caught.value)
+
+
+def test_allocator_builtin_says_a_checkpoint_folder_or_untrained_is_expected(fixtures_dir, tmp_path):
+    from resadapt_eval.lmms.models import ResAdaptQwen25VL
+
+    with pytest.raises(
+        CheckpointError,
+        match=r"builtin/config.json: missing Allocator config \(no such folder\); allocator= takes an Allocator "
+        "checkpoint folder .* or `untrained`",
+    ):
+        ResAdaptQwen25VL.checked_config(method="resadapt", allocator="builtin")
+    with pytest.raises(CheckpointError, match=r"missing Allocator config \(the folder has no config.json\)"):
+        ResAdaptQwen25VL.checked_config(method="resadapt", allocator=str(tmp_path))
+
+
+def test_a_checkpoint_without_budget_json_is_warned_about_and_every_record_says_so(fixtures_dir, tmp_path):
+    folder = tiny_allocator(tmp_path / "alloc")
+    messages, stop = loguru_messages()
+    try:
+        model = lmms_model(fixtures_dir, tmp_path, method="resadapt", allocator=str(folder), retention=0.25)
+    finally:
+        stop()
+    assert any(f"the Allocator {folder} has no budget.json" in m and "s in [0.2, 1.8]" in m for m in messages)
+    _, records = answer(model, fixtures_dir)
+    assert [r["allocator_budget"] for r in records] == ["missing", "missing"]
+    assert all(r["error"] is None for r in records)
+    assert json.loads(model.manifest_path.read_text())["allocator_budget_source"] == "missing"
+
+    (folder / "budget.json").write_text(json.dumps(dict(s_min=0.2, s_max=1.8)))
+    model = lmms_model(fixtures_dir, tmp_path / "again", method="resadapt", allocator=str(folder), retention=0.25)
+    _, records = answer(model, fixtures_dir, videos=VIDEOS[:1])
+    assert records[0]["allocator_budget"] == "budget.json"
+
+
+def test_a_checkpoint_trained_on_another_backbone_is_warned_about(fixtures_dir, tmp_path):
+    folder = tiny_allocator(tmp_path / "alloc")
+    trained = dict(family="qwen3vl", pretrained=str(fixtures_dir / "qwen3vl"))
+    (folder / "backbone.json").write_text(json.dumps(trained))
+    messages, stop = loguru_messages()
+    try:
+        lmms_model(fixtures_dir, tmp_path, method="resadapt", allocator=str(folder), retention=0.25)
+        lmms_model(fixtures_dir, tmp_path, "qwen3vl", method="resadapt", allocator=str(folder), retention=0.25)
+    finally:
+        stop()
+    (warning,) = [m for m in messages if "trained with another backbone" in m]
+    assert f"family qwen25vl (trained with qwen3vl); pretrained {fixtures_dir / 'qwen25vl'}" in warning
+
+
+def test_the_trainer_records_the_backbone_beside_the_checkpoint(fixtures_dir, tmp_path):
+    from resadapt_eval.train.config import build_trainer
+
+    from .test_train import tiny_config
+
+    trainer = build_trainer(tiny_config(tmp_path, fixtures_dir), steps=1)
+    trainer.train(progress=False)
+    saved = tmp_path / "run" / "checkpoints" / "step-000001" / "allocator" / "backbone.json"
+    assert json.loads(saved.read_text()) == dict(family="qwen25vl", pretrained=str(fixtures_dir / "qwen25vl"))
