@@ -132,10 +132,10 @@ class TinyEncoders(FrozenEncoders):
     def tokenize(self, texts):
         encoded = [list(t.encode("utf-8"))[:256] or [0] for t in texts]
         length = max(len(e) for e in encoded)
-        ids = torch.zeros(len(texts), length, dtype=torch.long)
-        mask = torch.zeros(len(texts), length, dtype=torch.bool)
+        ids = torch.zeros(len(texts), length, dtype=torch.long)  # cpu: filled on the host, moved once below
+        mask = torch.zeros(len(texts), length, dtype=torch.bool)  # cpu: filled on the host, moved once below
         for i, e in enumerate(encoded):
-            ids[i, : len(e)] = torch.tensor(e)
+            ids[i, : len(e)] = torch.tensor(e)  # cpu: filled on the host, moved once below
             mask[i, : len(e)] = True
         return ids.to(self.device), mask.to(self.device)
 

@@ -10,6 +10,9 @@ pair) gets t = s + its temporal index (`temporal_indices`) and h / w = s + its r
 own merged grid; the text after the run continues from s + max over groups of max(h, w). With one
 item this is exactly transformers' stock `get_rope_index` (5.x), so equal-size pairs reproduce
 the stock single-video positions.
+
+Positions are built on the CPU from Python ints (vLLM takes CPU positions; the HF adapter moves them
+to the prompt's device in one transfer).
 """
 
 from __future__ import annotations
@@ -46,10 +49,10 @@ def temporal_indices(group_seconds: list[float], tokens_per_second: float) -> to
     tokens_per_second x the seconds since the run's first group, summed in float64 and rounded
     to 1e-3 of a position so float32 durations cannot flip a whole second.
     """
-    durations = torch.tensor(group_seconds, dtype=torch.float32)
+    durations = torch.tensor(group_seconds, dtype=torch.float32)  # cpu: positions are built on the CPU
     if len(group_seconds) <= 1 or bool((durations == durations[0]).all()):
-        return (torch.arange(len(group_seconds)) * (tokens_per_second * durations[0])).long()
-    elapsed = torch.cat([torch.zeros(1, dtype=torch.float64), durations.double().cumsum(0)[:-1]])
+        return (torch.arange(len(group_seconds)) * (tokens_per_second * durations[0])).long()  # cpu: as durations
+    elapsed = torch.cat([torch.zeros(1, dtype=torch.float64), durations.double().cumsum(0)[:-1]])  # cpu: as durations
     return torch.floor(torch.round(elapsed * tokens_per_second, decimals=3)).long()
 
 
@@ -58,17 +61,17 @@ def qwen25_mrope_positions(length: int, runs: list[VisionRun], tokens_per_second
     parts, cursor, position = [], 0, 0
     for run in sorted(runs, key=lambda r: r.offset):
         text = run.offset - cursor
-        parts.append(torch.arange(text).expand(3, -1) + position)
+        parts.append(torch.arange(text).expand(3, -1) + position)  # cpu: positions are built on the CPU
         start = position + text
         groups = [(h, w) for t, h, w in run.grids for _ in range(t)]
         seconds = [s for (t, _, _), s in zip(run.grids, run.second_per_grid_ts) for _ in range(t)]
         times = temporal_indices(seconds, tokens_per_second)
         for (h, w), t in zip(groups, times.tolist()):
-            hh, ww = torch.meshgrid(torch.arange(h), torch.arange(w), indexing="ij")
-            parts.append(torch.stack([torch.full((h * w,), t), hh.flatten(), ww.flatten()]) + start)
+            hh, ww = torch.meshgrid(torch.arange(h), torch.arange(w), indexing="ij")  # cpu: positions, as above
+            parts.append(torch.stack([torch.full((h * w,), t), hh.flatten(), ww.flatten()]) + start)  # cpu: as above
         position = start + max(max(h, w) for h, w in groups)
         cursor = run.offset + run.num_tokens
     if cursor > length:
         raise ValueError(f"vision runs reach token {cursor}, beyond the prompt's {length}")
-    parts.append(torch.arange(length - cursor).expand(3, -1) + position)
+    parts.append(torch.arange(length - cursor).expand(3, -1) + position)  # cpu: positions, as above
     return torch.cat(parts, dim=1)

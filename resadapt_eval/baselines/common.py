@@ -109,7 +109,7 @@ def merge_groups(
     merged = []
     for f in features:
         dtype = torch.promote_types(f.dtype, torch.float32)
-        sums = torch.zeros(len(destinations), f.shape[1], dtype=dtype, device=f.device)
+        sums = torch.zeros(destinations.shape[0], f.shape[1], dtype=dtype, device=f.device)
         if compression.weights is None:
             sums.index_add_(0, inverse, f[members].to(dtype))
             sums /= sizes[:, None]

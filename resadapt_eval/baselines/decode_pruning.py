@@ -74,7 +74,8 @@ class DecodePruner:
     the visual tokens in the prompt. After `generate`, `selections` holds each re-selecting step's
     (step, kept visual positions), `keys_dropped` the key columns not attended to (over layers and
     steps) and `flops` the ranking's FLOPs. `layer_tokens` is None: every layer's prefill sees
-    every token."""
+    every token. The selection is index bookkeeping on the CPU (a step's attention row comes over
+    with one `.cpu()`); the cache and the mask move it to their device."""
 
     layer_tokens = None
 
@@ -128,7 +129,7 @@ class DecodePruner:
         if similar:
             return None
         top = self.visual[torch.argsort(visual, descending=True, stable=True)[: self.stage.keep]]
-        others = torch.ones(keys.shape[2], dtype=torch.bool)
+        others = torch.ones(keys.shape[2], dtype=torch.bool)  # cpu: indexed by self.visual, a CPU index
         others[self.visual] = False
         self.cache.selection = torch.cat([torch.nonzero(others).flatten(), top]).sort().values
         self.selections.append((self.step, top.sort().values))

@@ -79,10 +79,12 @@ def compress(tokens: VisualTokens, keep: int, seed: int = 0) -> Compression:
     check_keep(tokens.pair_sizes, keep)
     n = tokens.features.shape[0]
     if keep == n:
-        return Compression(torch.arange(n))
+        return Compression(torch.arange(n))  # cpu: a CPU Compression; merge_groups moves it to the features
     feats = F.normalize(tokens.features.float(), dim=-1)
-    pair_of = torch.repeat_interleave(torch.arange(len(tokens.pair_sizes)), torch.tensor(tokens.pair_sizes))
-    chosen = torch.tensor(max_min_greedy(feats, pair_of.to(feats.device), keep), dtype=torch.long)
-    assignment = torch.full((n,), DROPPED, dtype=torch.long)
+    pairs = torch.arange(len(tokens.pair_sizes), device=feats.device)
+    pair_of = torch.repeat_interleave(pairs, torch.tensor(tokens.pair_sizes, device=feats.device))
+    # the picks are Python ints (one argmax per step): the assignment is index bookkeeping on the CPU
+    chosen = torch.tensor(max_min_greedy(feats, pair_of, keep), dtype=torch.long)  # cpu: the picks, Python ints
+    assignment = torch.full((n,), DROPPED, dtype=torch.long)  # cpu: a CPU Compression, moved by merge_groups
     assignment[chosen] = chosen
     return Compression(assignment)

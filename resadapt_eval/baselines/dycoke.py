@@ -103,10 +103,10 @@ def compress(tokens: VisualTokens, keep: int, seed: int = 0) -> Compression:
     check_keep(tokens.pair_sizes, keep)
     feats = F.normalize(tokens.features.float(), dim=-1)
     starts, sizes = tokens.pair_starts, tokens.pair_sizes
-    kept = torch.zeros(feats.shape[0], dtype=torch.bool)
+    kept = torch.zeros(feats.shape[0], dtype=torch.bool)  # cpu: index bookkeeping (least_redundant returns CPU)
 
     def keep_tokens(frame: int, local: torch.Tensor | None = None) -> None:
-        index = torch.arange(starts[frame], starts[frame] + sizes[frame])
+        index = torch.arange(starts[frame], starts[frame] + sizes[frame])  # cpu: indexes the CPU mask `kept`
         kept[index if local is None else index[local]] = True
 
     level, budget = list(range(len(sizes))), keep
@@ -130,9 +130,8 @@ def compress(tokens: VisualTokens, keep: int, seed: int = 0) -> Compression:
                 keep_tokens(frame)
             break
         level, budget = references, budget - len(compared)
-    return Compression(
-        torch.where(kept, torch.arange(feats.shape[0]), torch.full_like(kept, DROPPED, dtype=torch.long))
-    )
+    tokens_at = torch.arange(feats.shape[0])  # cpu: a CPU Compression, as `kept`; merge_groups moves it
+    return Compression(torch.where(kept, tokens_at, torch.full_like(kept, DROPPED, dtype=torch.long)))
 
 
 def decode_stage(num_layers: int, visual: int, retention: float, first_layer: int = 0) -> DecodeStage:

@@ -174,6 +174,6 @@ def dtm_weights(assignment: torch.Tensor) -> torch.Tensor:
     n = torch.where(members, n[assignment.clamp(min=0)], torch.ones_like(n))
     w = (1 / (n + 1)).clamp(min=DTM_BETA)
     weights = (1 - w) / n
-    destination = assignment == torch.arange(len(assignment))
+    destination = assignment == torch.arange(len(assignment), device=assignment.device)
     weights[destination] += w[destination]
     return torch.where(members, weights, torch.zeros_like(weights))

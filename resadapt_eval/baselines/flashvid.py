@@ -125,7 +125,7 @@ def adts(normed: torch.Tensor, attention: torch.Tensor, count: int) -> torch.Ten
     """Sorted indices of `count` rows of `normed` (n, D), unit rows, chosen by ADTS."""
     n = normed.shape[0]
     if n == 1:
-        return torch.zeros(1, dtype=torch.long)
+        return torch.zeros(1, dtype=torch.long)  # cpu: picks are index bookkeeping, as below
     dist = (1.0 - normed @ normed.T) * (attention * ATTENTION_SCALE)[None, :]  # column j weighted by a_j
     chosen = [int(dist.topk(2, dim=0, largest=False).values[1].argmax())]
     nearest = dist[chosen[0]].clone()
@@ -134,7 +134,7 @@ def adts(normed: torch.Tensor, attention: torch.Tensor, count: int) -> torch.Ten
         score[chosen] = -1.0
         chosen.append(int(score.argmax()))
         nearest = torch.minimum(nearest, dist[chosen[-1]])
-    return torch.tensor(sorted(chosen), dtype=torch.long)
+    return torch.tensor(sorted(chosen), dtype=torch.long)  # cpu: the picks, Python ints
 
 
 def cluster_counts(trees: list[int], clusters: int) -> list[int]:
@@ -176,8 +176,8 @@ def temporal_trees(
     best, parent = [], []
     for j, (start, size) in enumerate(ranges):
         if j == 0:
-            best.append(torch.full((size,), -1.0, dtype=normed.dtype))
-            parent.append(torch.full((size,), -1, dtype=torch.long))
+            best.append(torch.full((size,), -1.0, dtype=normed.dtype))  # cpu: as value.cpu() below
+            parent.append(torch.full((size,), -1, dtype=torch.long))  # cpu: as at.cpu() below
             continue
         prev_start, prev_size = ranges[j - 1]
         sim = normed[start : start + size] @ normed[prev_start : prev_start + prev_size].T
@@ -197,7 +197,7 @@ def temporal_trees(
             merged = best_all > soft
     roots, offset = [], 0
     for j, (start, size) in enumerate(ranges):
-        root = torch.arange(start, start + size)
+        root = torch.arange(start, start + size)  # cpu: tree bookkeeping, as parent
         here = merged[offset : offset + size]
         if here.any():
             root[here] = roots[-1][parent[j][here] - ranges[j - 1][0]]
@@ -214,8 +214,10 @@ def compress(tokens: VisualTokens, keep: int, seed: int = 0) -> Compression:
     normed = feats / feats.norm(dim=-1, keepdim=True)
     attention = tokens.received_attention.detach().to(device=feats.device, dtype=feats.dtype)
     n = feats.shape[0]
-    assignment = torch.full((n,), DROPPED, dtype=torch.long)
-    weights = torch.zeros(n, dtype=torch.float64)
+    # index bookkeeping (assignment, weights, masks, trees) is on the CPU: the picks are Python ints
+    # (adts, dpc_knn and temporal_trees return CPU indices); the features stay on their device
+    assignment = torch.full((n,), DROPPED, dtype=torch.long)  # cpu: a CPU Compression, moved by merge_groups
+    weights = torch.zeros(n, dtype=torch.float64)  # cpu: as the assignment
     starts, sizes = tokens.pair_starts, tokens.pair_sizes
     budget = per_pair_budget(sizes, keep)
     means = torch.stack([feats[s : s + k].mean(dim=0) for s, k in zip(starts, sizes)])
@@ -226,7 +228,7 @@ def compress(tokens: VisualTokens, keep: int, seed: int = 0) -> Compression:
             chosen = adts(normed[start : start + size], attention[start : start + size], adts_count(budget[p]))
             assignment[start + chosen] = start + chosen
             weights[start + chosen] = 1.0
-            mask = torch.zeros(size, dtype=torch.bool)
+            mask = torch.zeros(size, dtype=torch.bool)  # cpu: indexed by the CPU picks
             mask[chosen] = True
             selected.append(mask)
         context = sum(budget[p] - adts_count(budget[p]) for p in seg)
@@ -234,11 +236,11 @@ def compress(tokens: VisualTokens, keep: int, seed: int = 0) -> Compression:
             continue  # only the ADTS tokens stay (utils.py:118-141)
         first, length = ranges[0][0], sum(size for _, size in ranges)  # the segment's tokens are contiguous
         if len(seg) == 1:
-            root, parent = torch.arange(first, first + length), torch.full((length,), DROPPED)
+            root, parent = torch.arange(first, first + length), torch.full((length,), DROPPED)  # cpu: tree bookkeeping
         else:
             root, parent = temporal_trees(normed, ranges, selected, sum(budget[p] for p in seg))
         unselected = ~torch.cat(selected)
-        members = torch.arange(first, first + length)[unselected]
+        members = torch.arange(first, first + length)[unselected]  # cpu: masked by the CPU selection
         member_root = root[unselected]
         # a tree's feature: the sum of its members over 1 + its root's direct children (utils.py:303-337)
         children = torch.bincount(parent[parent != DROPPED] - first, minlength=length)  # by local index
@@ -248,7 +250,7 @@ def compress(tokens: VisualTokens, keep: int, seed: int = 0) -> Compression:
         pair_trees = [members[(member_root == members) & (members >= s) & (members < s + k)] for s, k in ranges]
         trees = [len(t) for t in pair_trees]
         counts = trees if sum(trees) <= context else cluster_counts(trees, context)
-        centre = torch.full((n,), DROPPED, dtype=torch.long)  # each tree's cluster centre (a tree root)
+        centre = torch.full((n,), DROPPED, dtype=torch.long)  # cpu: each tree's cluster centre (a tree root)
         for roots, clusters in zip(pair_trees, counts):
             if clusters >= len(roots):
                 centre[roots] = roots

@@ -256,7 +256,7 @@ def merge_static(
     assignment[window.chains] = window.chains[nearest, :1]
     nearest = nearest.cpu()
     merged = torch.bincount(nearest, minlength=len(nearest)).double() - 1  # chains merged into each centre
-    is_centre = nearest == torch.arange(len(nearest))
+    is_centre = nearest == torch.arange(len(nearest), device=nearest.device)
     chain_weight = torch.where(
         is_centre,
         torch.where(merged > 0, BETA, 1.0),
@@ -294,7 +294,8 @@ def compress(tokens: VisualTokens, keep: int, seed: int = 0) -> Compression:
     )
 
     assignment = torch.full((feats.shape[0],), DROPPED, dtype=torch.long, device=feats.device)
-    weights = torch.ones(feats.shape[0], dtype=torch.float64)  # a dynamic token is kept as it is
+    # a dynamic token is kept as it is; merge_static writes the chains' weights from CPU indices
+    weights = torch.ones(feats.shape[0], dtype=torch.float64)  # cpu: CPU weights, moved by merge_groups
     for index, count in zip(dynamic, share):
         chosen = index[top(attention[index], count)]
         assignment[chosen] = chosen

@@ -190,9 +190,9 @@ def compress(tokens: VisualTokens, keep: int, seed: int = 0) -> Compression:
         for p in seg:
             dynamic = [starts[p] + pos for pos in range(sizes[p]) if pos not in is_static]
             groups.append((tokens.features[dynamic].float(), dynamic, [[i] for i in dynamic]))
-    assignment = torch.arange(tokens.features.shape[0])
+    assignment = torch.arange(tokens.features.shape[0])  # cpu: written from Python ints; moved by merge_groups
     for (feats, destination, members), k in zip(groups, per_pair_budget([len(g[1]) for g in groups], keep)):
-        owner = torch.arange(len(destination)) if k == len(destination) else dpc_knn(feats, k)
+        owner = torch.arange(len(destination)) if k == len(destination) else dpc_knn(feats, k)  # cpu: read as a list
         for item, centre in enumerate(owner.tolist()):
             assignment[members[item]] = destination[centre]
     return Compression(assignment)

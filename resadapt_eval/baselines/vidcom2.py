@@ -80,9 +80,9 @@ def frame_budgets(weights: torch.Tensor, sizes: list[int], keep: int) -> list[in
     """Tokens kept per frame, summing to keep: quotas keep * s_f w_f / sum(s w), capped at s_f with
     the excess shared over the uncapped frames, floor + largest remainder, then at least 1 each."""
     check_keep(sizes, keep)
-    size = torch.tensor(sizes, dtype=torch.float64)
+    size = torch.tensor(sizes, dtype=torch.float64)  # cpu: budget arithmetic, as the weights.cpu() below
     share = weights.double().cpu() * size
-    capped = torch.zeros(len(sizes), dtype=torch.bool)
+    capped = torch.zeros(len(sizes), dtype=torch.bool)  # cpu: budget arithmetic
     while True:
         free = keep - size[capped].sum()
         quota = torch.where(capped, size, free * share / share[~capped].sum())
@@ -116,14 +116,14 @@ def compress(tokens: VisualTokens, keep: int, seed: int = 0) -> Compression:
     check_keep(tokens.pair_sizes, keep)
     n = tokens.features.shape[0]
     if keep == n:
-        return Compression(torch.arange(n))
+        return Compression(torch.arange(n))  # cpu: a CPU Compression, moved by merge_groups
     starts, sizes = tokens.pair_starts, tokens.pair_sizes
     # float64: the frame weights' softmax at T = 0.01 turns score rounding into budget changes
     feats = F.normalize(low_variance_channels(tokens.features.double()), dim=-1)
     to_video, to_frame = similarities(feats, starts, sizes)
     budget = frame_budgets(frame_weights(to_video, starts, sizes), sizes, keep)
     score = (to_video + to_frame).cpu()
-    assignment = torch.full((n,), DROPPED, dtype=torch.long)
+    assignment = torch.full((n,), DROPPED, dtype=torch.long)  # cpu: indexed by the CPU scores; a CPU Compression
     for s, size, k in zip(starts, sizes, budget):
         kept = s + unique_tokens(score[s : s + size], k)
         assignment[kept] = kept

@@ -69,21 +69,23 @@ def compress(tokens: VisualTokens, keep: int, seed: int = 0) -> Compression:
     if tokens.received_attention is None or tokens.keys is None:
         raise ValueError("visionzip needs the last ViT block's received attention and keys")
     n = tokens.features.shape[0]
-    assignment = torch.full((n,), DROPPED, dtype=torch.long)
-    weights = torch.ones(n, dtype=torch.float64)
+    # the selection is on the CPU (per-pair budgets, Python-sized splits): one transfer of the attention and
+    # keys here; the Compression is on the CPU and merge_groups moves it to the features
+    assignment = torch.full((n,), DROPPED, dtype=torch.long)  # cpu: index bookkeeping, see above
+    weights = torch.ones(n, dtype=torch.float64)  # cpu: index bookkeeping, see above
     attention = tokens.received_attention.detach().cpu()
     keys = tokens.keys.detach().cpu()
     keys = keys.to(torch.promote_types(keys.dtype, torch.float32))
     for start, size, k in zip(tokens.pair_starts, tokens.pair_sizes, per_pair_budget(tokens.pair_sizes, keep)):
-        index = torch.arange(start, start + size)
+        index = torch.arange(start, start + size)  # cpu: index bookkeeping, see above
         n_dom, n_ctx = split(k)
         dominant = index[top(attention[index], n_dom)]
         assignment[dominant] = dominant
         if n_ctx == 0:
             continue
         rest = index[~torch.isin(index, dominant)]  # original order
-        is_target = torch.zeros(len(rest), dtype=torch.bool)
-        is_target[torch.arange(0, len(rest), max(1, len(rest) // n_ctx))[:n_ctx]] = True
+        is_target = torch.zeros(len(rest), dtype=torch.bool)  # cpu: index bookkeeping, see above
+        is_target[torch.arange(0, len(rest), max(1, len(rest) // n_ctx))[:n_ctx]] = True  # cpu: marks the CPU targets
         targets, members = rest[is_target], rest[~is_target]
         metric = F.normalize(keys[rest], dim=-1)
         nearest = (metric[~is_target] @ metric[is_target].T).argmax(dim=1)

@@ -1,0 +1,484 @@
+"""Device safety of the model-side code, checked without a GPU, two ways.
+
+1. A static check (`ast`): in `resadapt_eval/baselines`, `backbones`, `allocator`, `compute` and
+   `pipeline.py`, every tensor factory (`torch.arange`, `ones`, `zeros`, `full`, `empty`, `tensor`,
+   `as_tensor`, `eye`, `linspace`, `rand`, `randn`, `randint`, `randperm`) either passes `device=`
+   or carries the marker `# cpu: <why>` on one of its lines: CPU-side bookkeeping on purpose. The
+   `*_like` and `Tensor.new_*` factories inherit their device and are not checked.
+
+   The CPU-side bookkeeping is a design, not an exemption: a compressor whose selection loop is
+   data-dependent (Python loops over picks, `.tolist()`, `int(tensor)`) keeps its index tensors
+   on the CPU, scores and picks crossing over by an explicit `.cpu()` or as Python ints (the
+   feature math stays on the features' device), and returns a CPU `Compression`; `merge_groups`
+   moves the assignment and weights to the features' device. The
+   in-LLM and decode-time pruners keep the visual positions and the kept indices on the CPU
+   (`visual_positions.cpu()`, `scores.cpu()`) and move each index to the tensor it indexes.
+
+2. The shape-static tensor paths run on fake CUDA tensors (`fake_cuda`): inside
+   `FakeTensorMode(allow_non_fake_inputs=True)` a tensor made with `device="cuda"` is a fake CUDA
+   tensor (no GPU needed) and an op mixing it with a CPU tensor raises
+   `FakeTensorDeviceMismatchError`; with a `ShapeEnv`, sizes that follow from the data (`nonzero`,
+   boolean masks, `unique`, `.tolist()` of a size) become symbols, so only control flow on values
+   (`int(t)`, `bool(t)`, `len()` of such a size) stops a run. `IndexDevices` adds the one rule the
+   fake mode lets through and a GPU refuses: index tensors on the CPU or on the indexed tensor's
+   device. Every output's device is asserted. Covered: `merge_groups` and the compressed prompt of
+   `build_compressed_inputs` (`qwen.compressed_sequence`); `received_attention_and_keys` on each
+   family's last vision block (captured on the CPU, then moved); the in-LLM rankings
+   (`query_attention`, `last_token_attention`, `text_attention`, `stage_input_attention`) and
+   `merge_into_nearest`; a `LayerPruner` stage through its layer (ranking, CPU selection, pruned
+   hidden states, rotary, positions and mask); DyCoke's decoding stage for the first decoding step
+   (`current_token_attention`, the CPU selection, `SelectingCache`, the cut mask); the Allocator's
+   encoders, forward and shape-static action rules; ToMe's and DyCoke's whole `compress`; the
+   device-side kernels of the other compressors.
+
+   Not runnable there, because their control flow reads values (a fake tensor has none): the
+   selection loops of VisionZip, DivPrune, VidCom2, Random Drop, FastVID, FlashVID, PruneVid and
+   HoliTom; a second pruning stage, HoliTom's in-LLM merge at a stage (`len(dropped)`) and
+   PruneVid's text ranking (`int(...max())`); DyCoke's later decoding steps (the cosine with the
+   previous step's attention); the M-RoPE positions of `build_inputs` (`int(video_at[0])`,
+   `get_rope_index`); the Allocator's logit-normal mean (its step follows max(sigma)), its Beta
+   median and quantiles (scipy) and its seeded samples (`fork_rng` on a CUDA device);
+   `AllocatorPolicy` and the clocks (CUDA events). These are covered by the static check and the
+   CPU-transfer design above.
+"""
+
+from __future__ import annotations
+
+import ast
+import copy
+import io
+import re
+import tokenize
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+import torch
+from torch._subclasses.fake_tensor import (
+    FakeTensor,
+    FakeTensorDeviceMismatchError,
+    FakeTensorMode,
+    unset_fake_temporarily,
+)
+from torch.fx.experimental.symbolic_shapes import ShapeEnv
+from torch.utils._python_dispatch import TorchDispatchMode
+
+REPO = Path(__file__).resolve().parents[1]
+MODEL_SIDE = ["resadapt_eval/baselines", "resadapt_eval/backbones", "resadapt_eval/allocator", "resadapt_eval/compute"]
+MODEL_SIDE_FILES = ["resadapt_eval/pipeline.py"]
+FACTORIES = frozenset("arange ones zeros full empty tensor as_tensor eye linspace rand randn randint randperm".split())
+MARKER = re.compile(r"#\s*cpu:(?P<reason>.*)$")
+WORD = re.compile(r"[A-Za-z_]{2,}")  # a reason has at least two words
+
+
+def marker_lines(source: str) -> dict[int, str]:
+    """{line: reason} of the `# cpu:` comments of `source` (real comments, not text in strings)."""
+    found = {}
+    for token in tokenize.generate_tokens(io.StringIO(source).readline):
+        if token.type == tokenize.COMMENT and (match := MARKER.search(token.string)):
+            found[token.start[0]] = match["reason"].strip()
+    return found
+
+
+def torch_factories(tree: ast.AST) -> dict[str, str]:
+    """{name a file calls: factory} for `import torch [as t]` (t.zeros) and `from torch import zeros [as z]`."""
+    names = {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names.update({f"{a.asname or a.name}.{f}": f for a in node.names if a.name == "torch" for f in FACTORIES})
+        elif isinstance(node, ast.ImportFrom) and node.module == "torch":
+            names.update({a.asname or a.name: a.name for a in node.names if a.name in FACTORIES})
+    return names
+
+
+def called_name(func: ast.expr) -> str | None:
+    if isinstance(func, ast.Name):
+        return func.id
+    if isinstance(func, ast.Attribute) and isinstance(func.value, ast.Name):
+        return f"{func.value.id}.{func.attr}"
+    return None
+
+
+def factory_problems(source: str, path: str) -> list[str]:
+    """`path:line: ...` for each tensor factory of `source` without `device=` and without a reasoned
+    `# cpu:` marker on one of its lines, and for each marker on no factory's line."""
+    tree = ast.parse(source)
+    names, markers = torch_factories(tree), marker_lines(source)
+    problems, used = [], set()
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Call) or called_name(node.func) not in names:
+            continue
+        lines = range(node.lineno, node.end_lineno + 1)
+        used.update(line for line in lines if line in markers)
+        if any(k.arg == "device" for k in node.keywords):
+            continue
+        reasons = [markers[line] for line in lines if line in markers]
+        factory = f"torch.{names[called_name(node.func)]}"
+        if not reasons:
+            problems.append(f"{path}:{node.lineno}: {factory} without device= (or a `# cpu: <why>` marker)")
+        elif not any(len(WORD.findall(r)) >= 2 for r in reasons):
+            problems.append(f"{path}:{node.lineno}: {factory}'s `# cpu:` marker gives no reason")
+    problems += [f"{path}:{line}: `# cpu:` marker on no tensor factory" for line in sorted(set(markers) - used)]
+    return sorted(problems, key=lambda p: int(p.split(":")[1]))
+
+
+def model_side_files() -> list[Path]:
+    files = [p for root in MODEL_SIDE for p in sorted((REPO / root).rglob("*.py"))]
+    return files + [REPO / f for f in MODEL_SIDE_FILES]
+
+
+# ---------------------------------------------------------------------------------------------- static check
+
+
+def test_model_side_tensor_factories_name_their_device_or_say_why_they_stay_on_the_cpu():
+    files = model_side_files()
+    assert len(files) > 30 and all(f.is_file() for f in files)
+    problems = [p for f in files for p in factory_problems(f.read_text(), str(f.relative_to(REPO)))]
+    assert not problems, "tensor factories that may land on the wrong device:\n" + "\n".join(problems)
+
+
+@pytest.mark.parametrize(
+    "line, flagged",
+    [
+        ("x = torch.zeros(3)", True),
+        ("x = torch.zeros(3, device=y.device)", False),
+        ("x = torch.zeros_like(y)", False),
+        ("x = y.new_zeros(3)", False),
+        ("x = torch.as_tensor(a)", True),
+        ("x = torch.as_tensor(a, device=y.device)", False),
+        ("x = torch.randperm(4, generator=g)  # cpu: the seeded draw of the reference", False),
+        ("x = torch.arange(4)  # cpu:", True),
+        ("x = torch.arange(4)  # cpu: ok", True),
+        ("x = torch.arange(4)  # cpu - index bookkeeping", True),
+        ("s = '# cpu: index bookkeeping'; x = torch.arange(4)", True),
+        ("y = x + 1  # cpu: index bookkeeping", True),
+        ("x = torch.cat([a, torch.arange(4)])", True),
+        ("x = torch.cat([a, torch.arange(4, device=a.device)])", False),
+    ],
+)
+def test_the_static_check_flags_a_factory_without_device_or_reason(line, flagged):
+    assert bool(factory_problems(f"import torch\n{line}\n", "f.py")) is flagged
+
+
+def test_the_static_check_follows_aliases_and_multi_line_calls_and_names_file_and_line():
+    source = "\n".join(
+        [
+            "import torch as th",
+            "from torch import zeros as z, zeros_like",
+            "a = th.ones(2)",
+            "b = z(2)",
+            "c = zeros_like(b)",
+            "d = th.full(",
+            "    (2,), -1  # cpu: index bookkeeping of the pick loop",
+            ")",
+            "e = th.tensor([1])",
+        ]
+    )
+    problems = factory_problems(source, "pkg/m.py")
+    assert [p.split(": ")[0] for p in problems] == ["pkg/m.py:3", "pkg/m.py:4", "pkg/m.py:9"]
+    assert "torch.ones without device=" in problems[0] and "torch.zeros" in problems[1]
+
+
+# ---------------------------------------------------------------------------------------------- fake CUDA
+
+CUDA = torch.device("cuda", 0)
+CPU = torch.device("cpu")
+INDEX_OPS = {
+    torch.ops.aten.index.Tensor,
+    torch.ops.aten.index_put.default,
+    torch.ops.aten.index_put_.default,
+    torch.ops.aten._index_put_impl_.default,
+}
+
+
+class IndexDeviceError(RuntimeError):
+    pass
+
+
+class IndexDevices(TorchDispatchMode):
+    """What a GPU refuses and FakeTensorMode lets through: indexing (reading or writing) a tensor with
+    index tensors on a device other than its own or the CPU (ATen's check_indices_on_cpu_or_selfdevice),
+    e.g. a CPU mask indexed by CUDA positions."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func in INDEX_OPS:
+            indexed, indices = args[0], args[1]
+            wrong = [i.device for i in indices if i is not None and i.device not in (CPU, indexed.device)]
+            if wrong:
+                raise IndexDeviceError(f"{func}: a {indexed.device} tensor indexed by {wrong[0]} indices")
+        return func(*args, **(kwargs or {}))
+
+
+@contextmanager
+def fake_cuda():
+    """Fake CUDA tensors: `device="cuda"` works without a GPU, mixing devices raises, and sizes that
+    follow from the data (nonzero, masks, unique) are symbols, so only control flow on values stops."""
+    with FakeTensorMode(allow_non_fake_inputs=True, shape_env=ShapeEnv()), IndexDevices():
+        yield
+
+
+def fake_cuda_copy(module: torch.nn.Module) -> torch.nn.Module:
+    """A copy of `module` on fake CUDA (inside `fake_cuda`)."""
+    with unset_fake_temporarily():
+        module = copy.deepcopy(module)
+    return module.to("cuda")
+
+
+def on_fake_cuda(*tensors: torch.Tensor) -> bool:
+    return all(isinstance(t, FakeTensor) and t.device == CUDA for t in tensors)
+
+
+def test_fake_cuda_catches_a_cpu_factory_and_a_cpu_tensor_indexed_by_cuda_positions():
+    """The premise of the tests below."""
+    with fake_cuda():
+        x = torch.zeros(4, device="cuda")
+        assert on_fake_cuda(x + torch.ones(4, device=x.device), x[torch.tensor([1, 2])])
+        with pytest.raises(FakeTensorDeviceMismatchError):
+            x + torch.ones(4)
+        with pytest.raises(IndexDeviceError):
+            torch.ones(4, dtype=torch.bool)[torch.tensor([1, 2], device="cuda")] = False
+
+
+@pytest.fixture(scope="module")
+def tiny_models(fixtures_dir):
+    """Each family's tiny model (random weights, eager attention) and a capture of its last vision
+    block's input on the CPU."""
+    from transformers import AutoConfig, AutoModelForImageTextToText
+
+    from resadapt_eval.backbones.vision_attention import last_block_input
+
+    models = {}
+    for family in ("qwen25vl", "qwen3vl"):
+        config = AutoConfig.from_pretrained(fixtures_dir / family)
+        torch.manual_seed(0)
+        model = AutoModelForImageTextToText.from_config(config, attn_implementation="eager").eval()
+        vision = config.vision_config
+        grid = torch.tensor([[2, 4, 4]])
+        patch = vision.in_channels * vision.temporal_patch_size * vision.patch_size**2
+        with torch.no_grad(), last_block_input(model) as captured:
+            model.model.visual(torch.randn(int(grid.prod()), patch), grid_thw=grid)
+        models[family] = model, captured
+    return models
+
+
+def test_merge_groups_and_the_compressed_prompt_follow_the_features_device():
+    from resadapt_eval.backbones.layout import VIDEO_TOKEN_TYPE
+    from resadapt_eval.backbones.qwen import compressed_sequence
+    from resadapt_eval.baselines.common import DROPPED, Compression, merge_groups
+
+    assignment = torch.tensor([0, 0, 2, DROPPED, 4, 4, 6, 6, 6, 9, 9, DROPPED])
+    with fake_cuda():
+        features = torch.randn(12, 8, device="cuda", dtype=torch.bfloat16)
+        deepstack = torch.randn(12, 8, device="cuda", dtype=torch.bfloat16)
+        compressions = [  # the compressors' CPU bookkeeping, with and without weights, and a device one
+            Compression(assignment),
+            Compression(assignment, torch.rand(12, dtype=torch.float64)),
+            Compression(assignment.to("cuda"), torch.rand(12, device="cuda")),
+        ]
+        types = torch.zeros(1, 20, dtype=torch.long, device="cuda")
+        types[:, 4:16] = VIDEO_TOKEN_TYPE
+        full = dict(
+            input_ids=torch.randint(0, 100, (1, 20), device="cuda"),
+            attention_mask=torch.ones(1, 20, dtype=torch.long, device="cuda"),
+            mm_token_type_ids=types,
+        )
+        positions = torch.arange(20, device="cuda").expand(3, 1, 20)
+        for compression in compressions:
+            kept, sizes, merged = merge_groups(compression, features, deepstack)
+            assert on_fake_cuda(kept, sizes, *merged)
+            assert [m.dtype for m in merged] == [torch.bfloat16] * 2
+            inputs = compressed_sequence(full, positions, kept)
+            assert on_fake_cuda(*inputs.values())
+            assert inputs["position_ids"].shape[:2] == (3, 1)
+
+
+def test_compressed_sequence_keeps_the_text_and_the_kept_video_tokens_at_their_positions():
+    from resadapt_eval.backbones.layout import VIDEO_TOKEN_TYPE
+    from resadapt_eval.backbones.qwen import compressed_sequence
+
+    types = torch.tensor([[0, 0, VIDEO_TOKEN_TYPE, VIDEO_TOKEN_TYPE, VIDEO_TOKEN_TYPE, VIDEO_TOKEN_TYPE, 0]])
+    full = dict(input_ids=torch.arange(7)[None] + 10, attention_mask=torch.ones(1, 7), mm_token_type_ids=types)
+    inputs = compressed_sequence(full, torch.arange(7).expand(3, 1, 7) * 2, torch.tensor([1, 3]))
+    assert inputs["input_ids"].tolist() == [[10, 11, 13, 15, 16]]
+    assert inputs["position_ids"][0, 0].tolist() == [0, 2, 6, 10, 12]
+    assert inputs["mm_token_type_ids"].tolist() == [[0, 0, VIDEO_TOKEN_TYPE, VIDEO_TOKEN_TYPE, 0]]
+
+
+@pytest.mark.parametrize("family", ["qwen25vl", "qwen3vl"])
+def test_received_attention_and_keys_stay_on_the_vision_tower_s_device(tiny_models, family):
+    from resadapt_eval.backbones.qwen import ADAPTERS
+    from resadapt_eval.backbones.vision_attention import received_attention_and_keys
+
+    model, captured = tiny_models[family]
+    unit = model.config.vision_config.spatial_merge_size**2
+    with fake_cuda():
+        block_input = dict(
+            module=fake_cuda_copy(captured["module"]),
+            hidden_states=captured["hidden_states"].to("cuda"),
+            cu_seqlens=captured["cu_seqlens"].to("cuda"),  # two attention segments, as the tower gives them
+            position_embeddings=tuple(t.to("cuda") for t in captured["position_embeddings"]),
+        )
+        received, keys = received_attention_and_keys(block_input, ADAPTERS[family].vision_rotary, unit)
+    assert on_fake_cuda(received, keys)
+    assert received.dtype == keys.dtype == torch.float32
+    assert received.shape == (captured["hidden_states"].shape[0] // unit,) and keys.shape[0] == received.shape[0]
+
+
+def text_inputs(model, length: int):
+    """Fake CUDA hidden states (1, L, H), M-RoPE positions (3, 1, L) and rotary (cos, sin) of `model`'s LLM."""
+    hidden = torch.randn(1, length, model.config.text_config.hidden_size, device="cuda")
+    positions = torch.arange(length, device="cuda").expand(3, 1, length)
+    rotary = fake_cuda_copy(model.model.language_model.rotary_emb)
+    return hidden, positions, rotary(hidden, positions)
+
+
+@pytest.mark.parametrize("family", ["qwen25vl", "qwen3vl"])
+def test_the_in_llm_rankings_and_merge_run_on_the_llm_s_device(tiny_models, family):
+    from resadapt_eval.baselines.inside_llm import (
+        last_token_attention,
+        merge_into_nearest,
+        query_attention,
+        stage_input_attention,
+        text_attention,
+    )
+
+    model, _ = tiny_models[family]
+    with fake_cuda():
+        layer = fake_cuda_copy(model.model.language_model.layers[3])
+        hidden, _, (cos, sin) = text_inputs(model, 20)
+        rows = query_attention(layer.self_attn, hidden, cos, sin, 16)
+        assert on_fake_cuda(rows) and rows.shape == (model.config.text_config.num_attention_heads, 4, 20)
+        for ranking in (
+            last_token_attention(layer.self_attn, hidden, cos, sin),
+            text_attention(layer.self_attn, hidden, cos, sin, 16),
+            stage_input_attention(layer, hidden, cos, sin),
+        ):
+            assert on_fake_cuda(ranking) and ranking.shape == (20,)
+        kept, dropped = torch.tensor([4, 9, 12], device="cuda"), torch.tensor([5, 6, 10, 13], device="cuda")
+        merged = merge_into_nearest(hidden, kept, dropped)
+    assert on_fake_cuda(merged) and merged.shape == hidden.shape
+
+
+@pytest.mark.parametrize("family", ["qwen25vl", "qwen3vl"])
+@pytest.mark.parametrize("rank_by", ["last_token", "stage_input"])
+def test_a_pruning_stage_runs_through_its_layer_on_the_llm_s_device(tiny_models, family, rank_by):
+    """The prefill up to the layer after the stage: ranking in the layer before (or the stage's own
+    input), the CPU selection, the pruned hidden states, rotary, positions and mask in the stage's
+    layer. The next layer's hook asks whether the pruned length is above 1, a question about data."""
+    from resadapt_eval.baselines.inside_llm import LayerPruner, Stage
+
+    class Stop(Exception):
+        pass
+
+    model, _ = tiny_models[family]
+    entering = {}
+
+    def stop(module, args, kwargs):
+        entering["hidden"] = args[0] if args else kwargs["hidden_states"]
+        raise Stop
+
+    with fake_cuda():
+        language_model = fake_cuda_copy(model.model.language_model)
+        hidden, positions, _ = text_inputs(model, 20)
+        pruner = LayerPruner(language_model, [Stage(4, 5, rank_by=rank_by)], torch.arange(4, 16, device="cuda"))
+        language_model.layers[5].register_forward_pre_hook(stop, with_kwargs=True, prepend=True)
+        with torch.no_grad(), pruner.attached(), pytest.raises(Stop):
+            language_model(inputs_embeds=hidden, position_ids=positions, use_cache=False)
+    assert on_fake_cuda(entering["hidden"])
+    assert pruner.kept.device == CPU and pruner.kept_by_layer[4] is pruner.kept
+
+
+@pytest.mark.parametrize("family", ["qwen25vl", "qwen3vl"])
+def test_a_decoding_step_selects_the_visual_keys_on_the_llm_s_device(tiny_models, family):
+    """DyCoke's decoding stage: the prefill, then the first decoding step (ranking in the layer before
+    the stage, the CPU selection, the selecting cache and the cut mask from the stage on). Later steps
+    compare the attention with the previous step's, a question about data."""
+    from resadapt_eval.baselines.decode_pruning import DecodePruner, DecodeStage
+
+    model, _ = tiny_models[family]
+    stage = DecodeStage(3, 4, 0.9)
+    with fake_cuda():
+        language_model = fake_cuda_copy(model.model.language_model)
+        hidden, positions, _ = text_inputs(model, 20)
+        pruner = DecodePruner(language_model, stage, torch.arange(4, 16, device="cuda"))
+        with torch.no_grad(), pruner.attached():
+            language_model(inputs_embeds=hidden, position_ids=positions, **pruner.generate_kwargs())
+            step = language_model(
+                inputs_embeds=hidden[:, -1:],
+                position_ids=torch.full((3, 1, 1), 20, device="cuda"),
+                **pruner.generate_kwargs(),
+            )
+    assert on_fake_cuda(step.last_hidden_state)
+    assert pruner.cache.selection.device == CPU and len(pruner.selections) == 1
+    assert pruner.keys_dropped == (12 - stage.keep) * (len(language_model.layers) - stage.layer)
+
+
+@pytest.mark.parametrize(
+    "policy, modes", [("beta", ["mean"]), ("logit_normal", ["median", "quantile"])], ids=["beta", "logit_normal"]
+)
+@pytest.mark.parametrize("encoder", ["tiny", "tiny-colour"])
+def test_the_allocator_scores_frames_on_its_device(policy, modes, encoder):
+    from resadapt_eval.allocator import Allocator
+
+    from .test_allocator import frames, tiny_config
+
+    allocator = Allocator(tiny_config(policy=policy, encoder=encoder))
+    video = frames(6)
+    with fake_cuda():
+        allocator = allocator.to("cuda")
+        inputs = allocator.encode([video, video[:4]], ["where is the red ball?", "count"])
+        p1, p2 = allocator(**inputs)
+        scales = [allocator.to_scale(allocator.latent_actions(p1[0], p2[0], mode, 0.3)) for mode in modes]
+    assert on_fake_cuda(*inputs.values(), p1, p2, *scales)
+    assert p1.shape == (2, 6) and [s.shape for s in scales] == [(6,)] * len(modes)
+
+
+@pytest.mark.parametrize("method", ["tome", "dycoke"])
+def test_the_shape_static_compressors_run_on_the_features_device(method):
+    """ToMe and DyCoke select without reading values back: their whole `compress` runs on fake CUDA
+    features and returns CPU bookkeeping that `merge_groups` takes to the features."""
+    import importlib
+
+    from resadapt_eval.baselines.common import VisualTokens, merge_groups
+
+    compress = importlib.import_module(f"resadapt_eval.baselines.{method}").compress
+    with fake_cuda():
+        tokens = VisualTokens(torch.randn(64, 8, device="cuda", dtype=torch.bfloat16), [16] * 4, [(1, 4, 4)] * 4)
+        compression = compress(tokens, 20, 0)
+        kept, sizes, (merged,) = merge_groups(compression, tokens.features)
+    assert compression.assignment.device == CPU and compression.assignment.shape == (64,)
+    assert on_fake_cuda(kept, sizes, merged)
+
+
+def compressor_kernels():
+    """The device-side parts of the compressors whose selection reads values back: (name, call on
+    unit features (N, D) and attention (N,), the device each output is on by design)."""
+    from resadapt_eval.baselines import common, divprune, flashvid, holitom, prunevid, vidcom2
+    from resadapt_eval.baselines.common import VisualTokens
+
+    def holitom_steps(feats, attention):
+        tokens = VisualTokens(feats, [16] * 4, [(1, 4, 4)] * 4)  # equal grids (else the matching reads values)
+        steps = holitom.step_matches(tokens, feats)
+        return (*steps[0], *holitom.follow(steps, 0, 2, 16))
+
+    def vidcom2_scores(feats, attention):
+        channels = vidcom2.low_variance_channels(feats.double())
+        to_video, to_frame = vidcom2.similarities(channels, [0, 16, 32, 48], [16] * 4)
+        return to_video, to_frame, vidcom2.frame_weights(to_video, [0, 16, 32, 48], [16] * 4)
+
+    return [
+        ("divprune", lambda f, a: (divprune.nearest_neighbour_distance(f), divprune.cosine_distance_to(f, 3)), CUDA),
+        ("density_peaks", lambda f, a: common.density_peaks(f, 5, 4), CUDA),
+        ("prunevid.dpc_knn", lambda f, a: (prunevid.dpc_knn(f, 5),), CUDA),
+        ("flashvid.dpc_knn", lambda f, a: flashvid.dpc_knn(f, 5), CPU),  # returns its clusters to the CPU loop
+        ("holitom.step_matches", holitom_steps, CUDA),
+        ("vidcom2", vidcom2_scores, CUDA),
+    ]
+
+
+@pytest.mark.parametrize("name, kernel, device", compressor_kernels(), ids=[k[0] for k in compressor_kernels()])
+def test_the_compressors_device_side_kernels_stay_on_the_features_device(name, kernel, device):
+    with fake_cuda():
+        feats = torch.nn.functional.normalize(torch.randn(64, 8, device="cuda"), dim=-1)
+        outputs = kernel(feats, torch.rand(64, device="cuda"))
+    assert all(isinstance(t, FakeTensor) and t.device == device for t in outputs)
