@@ -9,7 +9,7 @@ from pathlib import Path
 
 import yaml
 
-from .fixtures import write_fixtures
+from .fixtures import REAL_WIDTH, write_fixtures
 from .manifest import REPO
 from .methods import METHODS
 from .needle.data import CANDIDATES, EVIDENCE_PAIRS, LONG_FRAMES, VARIANTS
@@ -19,7 +19,26 @@ PAPER_METHODS = ",".join(name for name, method in METHODS.items() if method.in_p
 
 
 def cmd_fixtures(args) -> int:
-    paths = write_fixtures(Path(args.out), seed=args.seed)
+    if args.real_width is not None:
+        from .fixtures import real_width_folder, write_real_width
+
+        depth = (args.text_layers, args.vision_blocks)
+        out = (
+            Path(args.out)
+            if args.out
+            else real_width_folder(Path("fixtures/real_width"), args.real_width, *depth, args.seed)
+        )
+        try:
+            path = write_real_width(out, args.real_width, *depth, seed=args.seed)
+        except ValueError as exc:  # a depth the architecture cannot be cut to
+            print(f"fixtures: {exc}", file=sys.stderr)
+            return 2
+        print(f"{args.real_width}: {path}")
+        return 0
+    if args.text_layers is not None or args.vision_blocks is not None:
+        print("fixtures: --text-layers and --vision-blocks size a --real-width model", file=sys.stderr)
+        return 2
+    paths = write_fixtures(Path(args.out or "fixtures"), seed=args.seed)
     for name, path in paths.items():
         print(f"{name}: {path}")
     return 0
@@ -268,9 +287,12 @@ def cmd_flops(args) -> int:
                 row_flops(dims, "vanilla", frames, (height, width), None, args.text_tokens, args.output_tokens)
             except ValueError as exc:
                 raise ValueError(f"--size {args.size}: {exc}") from None
+        memory = memory_settings(args)
     except ValueError as exc:
         print(f"flops: {exc}", file=sys.stderr)
         return 2
+    if memory is not None:
+        return print_memory_plan(args, dims, (height, width), frame_counts, methods, allocator, *memory)
     print(
         f"{args.backbone}: {args.size} source, {args.text_tokens} text tokens, {args.output_tokens} output tokens, "
         f"R={args.retention}; TFLOPs (10^12, 2 per multiply-add); linear = vision + LLM prefill linear layers; "
@@ -326,6 +348,99 @@ def cmd_flops(args) -> int:
                 f"{flops.allocator / vanilla.linear:.2e}",
                 f"{flops.decode / TERA:.2f}",
                 f"{flops.total / TERA:.1f}",
+            )
+            print("".join(f"{c:>14}" for c in cells))
+    return 0
+
+
+MEMORY_UNITS = {"gb": 10**9, "gib": 2**30, "mb": 10**6, "mib": 2**20, "tb": 10**12, "tib": 2**40}
+
+
+def memory_settings(args):
+    """`resadapt-eval flops --memory` arguments checked: None without --memory or --gpu-memory, else
+    (budget bytes, headroom, dtype, attention); a bad one is a ValueError naming the option."""
+    import math
+    import re
+
+    from .compute.memory import ATTENTION, DTYPE_BYTES
+
+    if not args.memory and args.gpu_memory is None:
+        return None
+    given = "80GB" if args.gpu_memory is None else args.gpu_memory
+    match = re.fullmatch(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*([a-zA-Z]+)\s*", given)
+    if match is None or match.group(2).lower() not in MEMORY_UNITS or float(match.group(1)) <= 0:
+        raise ValueError(
+            f"--gpu-memory takes a positive size with its unit (GB, GiB, MB, MiB, TB, TiB), e.g. 80GB, got {given!r}"
+        )
+    budget = float(match.group(1)) * MEMORY_UNITS[match.group(2).lower()]
+    try:
+        headroom = float(args.headroom)
+    except ValueError:
+        headroom = math.nan
+    if not 0 <= headroom < 1:
+        raise ValueError(f"--headroom takes a fraction in [0, 1) of --gpu-memory kept free, got {args.headroom!r}")
+    if args.dtype not in DTYPE_BYTES:
+        raise ValueError(f"--dtype takes one of {', '.join(DTYPE_BYTES)}, got {args.dtype!r}")
+    if args.attention not in ATTENTION:
+        raise ValueError(f"--attention takes one of {', '.join(ATTENTION)}, got {args.attention!r}")
+    return budget, headroom, args.dtype, args.attention
+
+
+def print_memory_plan(args, dims, size_hw, frame_counts, methods, allocator, budget, headroom, dtype, attention) -> int:
+    """The memory plan per (method, frames): GiB of tensors at the sample's peak on the HF path,
+    split into weights, KV cache, vision and LLM activations and the method's own, and whether it
+    fits `budget` bytes less `headroom` (`compute/memory.py`)."""
+    from .compute.memory import row_memory
+    from .methods import NO_RETENTION
+
+    gib = 2**30
+    usable = budget * (1 - headroom)
+    print(
+        f"{args.backbone}: {args.size} source, {args.text_tokens} text tokens, max_new_tokens={args.output_tokens}, "
+        f"R={args.retention}, {dtype} weights and cache, {attention} attention; GiB (2^30 bytes) of tensors, what "
+        "torch.cuda.max_memory_allocated counts; weights and kv exact, activations and extra estimated "
+        "(resadapt_eval/compute/memory.py)"
+    )
+    print(
+        "peak = weights + max(encoding: vision_act, or a compressor's extra; LLM: kv + llm_act + an in-LLM stage's "
+        "extra); extra: a method's own (compressor work, recomputed ViT attention, ranking rows, the Allocator)"
+    )
+    print(
+        f"fits: peak <= {args.gpu_memory or '80GB'} ({budget / gib:.2f} GiB) less {headroom:.0%} headroom "
+        f"(CUDA context, allocator fragmentation) = {usable / gib:.2f} GiB"
+    )
+    header = ("method", "frames", "visual_tokens", "weights", "kv", "vision_act", "llm_act", "extra", "peak", "fits")
+    print("".join(f"{h:>14}" for h in header))
+    for frames in frame_counts:
+        for method in methods:
+            retention = None if method.retention == NO_RETENTION else args.retention
+            try:
+                memory, visual = row_memory(
+                    dims,
+                    method.name,
+                    frames,
+                    size_hw,
+                    retention,
+                    args.text_tokens,
+                    args.output_tokens,
+                    dtype,
+                    attention,
+                    allocator,
+                )
+            except ValueError as exc:  # vLLM-only, or a budget below the method's floor
+                print(f"{method.name:>14}{frames:>14}  {exc}")
+                continue
+            cells = (
+                method.name,
+                frames,
+                visual,
+                f"{memory.weights / gib:.2f}",
+                f"{memory.kv / gib:.2f}",
+                f"{(memory.inputs + memory.vision) / gib:.2f}",
+                f"{memory.llm / gib:.2f}",
+                f"{memory.extra / gib:.2f}",
+                f"{memory.peak / gib:.2f}",
+                "yes" if memory.peak <= usable else "NO",
             )
             print("".join(f"{c:>14}" for c in cells))
     return 0
@@ -407,9 +522,27 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="resadapt-eval", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
 
-    p = sub.add_parser("fixtures", help="write tiny random Qwen2.5-VL/Qwen3-VL checkpoints and the smoke dataset")
-    p.add_argument("--out", default="fixtures", help="output folder (default: fixtures, which the smoke task reads)")
+    p = sub.add_parser(
+        "fixtures",
+        help="write tiny random Qwen2.5-VL/Qwen3-VL checkpoints and the smoke dataset, or with --real-width one "
+        "published architecture at its real widths with random bfloat16 weights",
+    )
+    p.add_argument(
+        "--out",
+        default=None,
+        help="output folder (default: fixtures, which the smoke task reads; with --real-width: "
+        "fixtures/real_width/<name>-t<layers>-v<blocks>)",
+    )
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--real-width",
+        choices=list(REAL_WIDTH),
+        default=None,
+        help="instead: this published backbone at its real widths, random bfloat16 weights, nothing downloaded "
+        "(a loadable pretrained= folder; the fixtures' byte-level tokenizer, the real vocabulary size)",
+    )
+    p.add_argument("--text-layers", type=int, default=None, help="with --real-width: decoder layers (default: all)")
+    p.add_argument("--vision-blocks", type=int, default=None, help="with --real-width: vision blocks (default: all)")
     p.set_defaults(func=cmd_fixtures)
 
     p = sub.add_parser("demo", help="the needle benchmark on the committed weights: data, sweep, tables, plots, report")
@@ -571,7 +704,25 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--query-tokens", type=int, default=16, help="question tokens the Allocator's text encoder reads")
     p.add_argument("--retention", type=float, default=0.25, help="R of every method that takes one")
     p.add_argument("--text-tokens", type=int, default=24, help="prompt tokens besides the visual ones")
-    p.add_argument("--output-tokens", type=int, default=0, help="generated tokens (decode), 0: prefill only")
+    p.add_argument(
+        "--output-tokens",
+        type=int,
+        default=0,
+        help="generated tokens (decode), 0: prefill only; with --memory: max_new_tokens, whose keys and values "
+        "the cache holds",
+    )
+    p.add_argument(
+        "--memory",
+        action="store_true",
+        help="print the memory plan instead: GiB per method and frames (weights, KV cache, activations, the "
+        "method's own) and whether it fits --gpu-memory",
+    )
+    p.add_argument("--gpu-memory", default=None, help="the GPU's memory with its unit, e.g. 80GB (implies --memory)")
+    p.add_argument("--headroom", default="0.1", help="fraction of --gpu-memory kept free (CUDA context, fragmentation)")
+    p.add_argument("--dtype", default="bfloat16", help="model dtype for --memory: bfloat16, float16 or float32")
+    p.add_argument(
+        "--attention", default="sdpa", help="attn_implementation for --memory: sdpa, eager or flash_attention_2"
+    )
     p.set_defaults(func=cmd_flops)
 
     p = sub.add_parser(

@@ -26,6 +26,7 @@ from .budget.policies import BudgetSpec
 from .budget.selection import OPERATORS
 from .compute.counting import CountedCall
 from .methods import BEFORE_ENCODER, IN_ENGINE, INSIDE_LLM, METHODS, NO_RETENTION, REQUIRED_RETENTION, get_method
+from .profile.clock import peak_memory_mb, reset_peak_memory
 from .record import SampleRecord, build_record
 from .video import DecodedVideo, decode_video, read_image
 
@@ -195,7 +196,9 @@ class Planned:
 class Built:
     """The engine's request; visual_tokens: placeholders it must hold; merged_sizes: group sizes
     of a token compressor, compressor_flops: its work as counted, vision_s: its vision tower's
-    seconds; seconds: building time, resize_s of it resizing frames."""
+    seconds, peak_memory_mb: the peak while it encoded and compressed (`profile.clock`; None for
+    other methods, whose tower runs inside the engine call); seconds: building time, resize_s of
+    it resizing frames."""
 
     request: object
     visual_tokens: int
@@ -204,6 +207,7 @@ class Built:
     seconds: float
     compressor_flops: int = 0
     vision_s: float = 0.0
+    peak_memory_mb: float | None = None
 
 
 @dataclass(frozen=True)
@@ -424,7 +428,7 @@ class VideoPipeline:
         """The engine's request: frames resized to the plan, then the prompt and pixels (and, for
         token compressors, the encoded tokens compressed to round(R * N))."""
         t0 = time.perf_counter()
-        merged, compressor, vision_s = None, CountedCall(self.method.compress), 0.0
+        merged, compressor, vision_s, peak_mb = None, CountedCall(self.method.compress), 0.0, None
         if decoded.images:
             frames = [item.frames[0] for item in planned.items]
             resized = self.layout.resized_images(frames, list(planned.plans))
@@ -449,6 +453,7 @@ class VideoPipeline:
                 timer, retention = self.backbone.vision_timer, self.config.budget.retention
                 if self.method.prune is not None:  # a stage inside the LLM follows: keep what leaves R in reach
                     retention = self.entering_share(plan)
+                reset_peak_memory(self.backbone.device)  # the tower runs here, before the engine call
                 with timer.recording():
                     payload, sizes = self.backbone.build_compressed_inputs(
                         request.prompt,
@@ -460,7 +465,7 @@ class VideoPipeline:
                         needs_attention=self.method.needs_attention,
                         pairs=pairs,
                     )
-                merged, vision_s = tuple(sizes.tolist()), timer.take()
+                merged, vision_s, peak_mb = tuple(sizes.tolist()), timer.take(), peak_memory_mb(self.backbone.device)
                 visual = len(merged)
                 if self.method.prune is not None:
                     payload = self.backbone.build_pruned_inputs(
@@ -470,7 +475,8 @@ class VideoPipeline:
                     payload = self.backbone.build_decode_pruned_inputs(
                         payload, self.method.decode_prune, self.config.budget.retention
                     )
-        return Built(payload, visual, merged, resize_s, time.perf_counter() - t0, compressor.flops, vision_s)
+        seconds = time.perf_counter() - t0
+        return Built(payload, visual, merged, resize_s, seconds, compressor.flops, vision_s, peak_mb)
 
     def entering_share(self, plan: ResizePlan) -> float:
         """For a compressor followed by the method's own stage inside the LLM: the share of the

@@ -36,7 +36,9 @@ class SampleRecord:
     inputs, resize included), generate_s (this sample's share of the engine call), vision_s (the
     vision tower, inside generate_s or, for a compressor, in preprocess_s; None on vLLM),
     first_token_s (the engine starting this request to its first token: vision tower and prefill),
-    per_token_s (each later token), peak_memory_mb (`profile.clock.peak_memory_mb`; None on vLLM).
+    per_token_s (each later token), peak_memory_mb (`profile.clock.peak_memory_mb`: on CUDA
+    `torch.cuda.max_memory_allocated` in MiB since a reset before the engine call and, for a token
+    compressor, before it encoded and compressed, the larger of the two; None on vLLM).
     Stage clocks are CUDA events on a GPU, wall clocks on CPU. error: `ExceptionType: message`.
     allocator: the Allocator checkpoint of method=resadapt (`untrained` when run on purpose without one).
     allocator_query: what that Allocator read as the query (`question`, or `empty` in the ablation).
@@ -208,6 +210,8 @@ def build_record(
         engine = generated.engine
         record.first_token_s, record.per_token_s = engine.first_token_s, engine.per_token_s
         record.peak_memory_mb = engine.peak_memory_mb
+        if engine.peak_memory_mb is not None and built.peak_memory_mb is not None:  # a compressor's encoding
+            record.peak_memory_mb = max(engine.peak_memory_mb, built.peak_memory_mb)
         if engine.vision_s is not None:
             record.vision_s = engine.vision_s + built.vision_s
         grids = [g for p in planned.plans for g in p.grids]

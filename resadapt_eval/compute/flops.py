@@ -47,7 +47,9 @@ class VisionDims:
     """The vision tower: D = hidden, I = intermediate, p = patch, m = merge, tp = temporal patch;
     window_px: Qwen2.5-VL's attention window in pixels (None: every block attends per temporal
     patch); full_blocks: blocks that attend per temporal patch anyway; deepstack: extra mergers;
-    heads: attention heads (head size D / heads)."""
+    heads: attention heads (head size D / heads). For the parameter count (`memory.py`):
+    position_embeddings: rows of Qwen3-VL's learned position table; layer_norm: LayerNorms with
+    a bias (Qwen3-VL) instead of RMSNorms; patch_bias: the patch embedding's bias."""
 
     depth: int
     hidden: int
@@ -62,11 +64,16 @@ class VisionDims:
     full_blocks: tuple[int, ...]
     deepstack: int
     heads: int
+    position_embeddings: int = 0
+    layer_norm: bool = False
+    patch_bias: bool = False
 
 
 @dataclass(frozen=True)
 class TextDims:
-    """The LLM: H = hidden, I = intermediate, n_h / n_kv heads of d_h, V = vocabulary."""
+    """The LLM: H = hidden, I = intermediate, n_h / n_kv heads of d_h, V = vocabulary. For the
+    parameter count (`memory.py`): tied: lm_head is the embedding matrix; qkv_bias / o_bias: the
+    attention projections' biases; qk_norm: Qwen3's per-head q and k RMSNorms."""
 
     hidden: int
     layers: int
@@ -75,6 +82,10 @@ class TextDims:
     kv_heads: int
     head_dim: int
     vocab: int
+    tied: bool = False
+    qkv_bias: bool = False
+    o_bias: bool = False
+    qk_norm: bool = False
 
 
 @dataclass(frozen=True)
@@ -98,6 +109,9 @@ def dims_from_config(config) -> BackboneDims:
         raise ValueError(f"FLOPs are counted for qwen2_5_vl and qwen3_vl configs, not {model_type!r}")
     qwen25 = model_type == "qwen2_5_vl"
     heads = text["num_attention_heads"]
+    # lm_head tied as transformers ties it: Qwen2.5-VL by either config's flag, Qwen3-VL by the top one
+    tied = bool(config.get("tie_word_embeddings")) or (qwen25 and bool(text.get("tie_word_embeddings")))
+    attention_bias = bool(text.get("attention_bias", False))  # Qwen3-VL's q, k, v and o (Qwen2.5-VL: q, k, v)
     return BackboneDims(
         model_type,
         VisionDims(
@@ -114,6 +128,9 @@ def dims_from_config(config) -> BackboneDims:
             full_blocks=tuple(vision.get("fullatt_block_indexes", ())),
             deepstack=len(vision.get("deepstack_visual_indexes", ())),
             heads=vision["num_heads"],
+            position_embeddings=0 if qwen25 else vision.get("num_position_embeddings", 2304),
+            layer_norm=not qwen25,
+            patch_bias=not qwen25,
         ),
         TextDims(
             hidden=text["hidden_size"],
@@ -123,6 +140,10 @@ def dims_from_config(config) -> BackboneDims:
             kv_heads=text["num_key_value_heads"],
             head_dim=text.get("head_dim") or text["hidden_size"] // heads,
             vocab=text["vocab_size"],
+            tied=tied,
+            qkv_bias=qwen25 or attention_bias,
+            o_bias=not qwen25 and attention_bias,
+            qk_norm=not qwen25,
         ),
     )
 
@@ -362,23 +383,38 @@ def sample_flops(
 
 
 # ---------------------------------------------------------------------- a table row from configs alone
-def row_flops(
+@dataclass(frozen=True)
+class RowPlan:
+    """What `frames` frames of a source become under a method, from configs alone: grids: what the
+    vision tower encodes (t, h, w merged tokens; the vanilla ones for a token compressor); visual:
+    the visual tokens entering the LLM; prompt: the prompt's tokens (the same in every decoder
+    layer) or a list of them per layer (a method with stages inside the LLM); stages: those stages
+    (`inside_llm.Stage`), None without."""
+
+    method: object
+    grids: list
+    visual: int
+    prompt: int | list[int]
+    stages: list | None
+
+
+def row_plan(
     dims: BackboneDims,
     method_name: str,
     frames: int,
     size_hw: tuple[int, int],
     retention: float | None = None,
     text_tokens: int = 24,
-    output_tokens: int = 0,
-    allocator=None,
-    query_tokens: int = 16,
-) -> tuple[SampleFlops, int]:
-    """(FLOPs, visual tokens entering the LLM) of `frames` frames of a `size_hw` (height, width)
-    pixel source under a method, planned as the pipeline plans it (the default 768-token base
-    size, the method's scale policy; a compressor keeps floor(R * N) of the vanilla tokens), with
-    `text_tokens` of text in the prompt. A method scored by `allocator` (an `Allocator`, reading
-    `query_tokens` of question) is planned with one scale for every frame at R: its scales depend
-    on the video, but every allocation with the same tokens has the same linear FLOPs."""
+    prune_layers: list[int] | None = None,
+) -> RowPlan:
+    """The tokens of `frames` frames of a `size_hw` (height, width) pixel source under a method,
+    planned as the pipeline plans it (the default 768-token base size, the method's scale policy;
+    a compressor keeps floor(R * N) of the vanilla tokens; an in-LLM schedule its layer counts),
+    with `text_tokens` of text in the prompt (`prune_layers`: the stage layers of a method with
+    stages inside the LLM, as `prune_layers=` gives them; None: its default). A method scored by the
+    Allocator is planned with one
+    scale for every frame at R (`policies.fixed_scale`): its scales depend on the video, but every
+    allocation of those tokens has the same token count."""
     from ..budget import policies
     from ..budget.plan import TokenGrid
     from ..budget.planner import Planner
@@ -386,8 +422,6 @@ def row_flops(
     from ..methods import get_method
 
     method = get_method(method_name)
-    if method.needs_allocator and allocator is None:
-        raise ValueError(f"method={method_name} needs an Allocator to count")
     grid = TokenGrid(token_px=dims.token_px, temporal_patch=dims.vision.temporal_patch)
     spec = BudgetSpec(retention=retention)
     planner = Planner(grid, spec)
@@ -400,20 +434,47 @@ def row_flops(
         from ..baselines.inside_llm import entering_tokens
 
         layers, first = dims.text.layers, dims.vision.deepstack
-        visual = entering_tokens(method.prune, retention, visual, len(plan.grids), layers, None, first)
+        visual = entering_tokens(method.prune, retention, visual, len(plan.grids), layers, prune_layers, first)
     elif method.compress is not None:
         visual = kept_count(retention, visual, len(plan.grids))
     if method.engine_pruning is not None:  # the engine's count at our rate: floor(R N), at least the first pair
         visual = max(
             plan.grids[0][0] * plan.grids[0][1] * plan.grids[0][2], int(visual * (1 - method.pruning_rate(retention)))
         )
-    scoring = allocator.flops(frames, query_tokens) if method.needs_allocator else 0
-    prompt, ranking = visual + text_tokens, None
-    if method.prune is not None:  # the stages' layer counts, each ranked in the layer before it
+    prompt, stages = visual + text_tokens, None
+    if method.prune is not None:  # the stages' layer counts
         from ..baselines.inside_llm import layer_counts
 
-        stages = method.prune(dims.text.layers, visual, retention, None, dims.vision.deepstack)
+        stages = method.prune(dims.text.layers, visual, retention, prune_layers, dims.vision.deepstack)
         prompt = [text_tokens + n for n in layer_counts(stages, dims.text.layers, visual)]
-        ranking = sum(ranking_flops(dims.text, prompt[s.layer - 1]) for s in stages)
-    flops = sample_flops(dims, method, plan.grids, retention, prompt, output_tokens, ranking, allocator=scoring)
-    return flops, visual
+    return RowPlan(method, list(plan.grids), visual, prompt, stages)
+
+
+def row_flops(
+    dims: BackboneDims,
+    method_name: str,
+    frames: int,
+    size_hw: tuple[int, int],
+    retention: float | None = None,
+    text_tokens: int = 24,
+    output_tokens: int = 0,
+    allocator=None,
+    query_tokens: int = 16,
+) -> tuple[SampleFlops, int]:
+    """(FLOPs, visual tokens entering the LLM) of `frames` frames of a `size_hw` (height, width)
+    pixel source under a method, planned by `row_plan`, with `text_tokens` of text in the prompt
+    and `output_tokens` generated. A method scored by `allocator` (an `Allocator`, reading
+    `query_tokens` of question) is planned with one scale for every frame at R: its scales depend
+    on the video, but every allocation with the same tokens has the same linear FLOPs."""
+    from ..methods import get_method
+
+    method = get_method(method_name)
+    if method.needs_allocator and allocator is None:
+        raise ValueError(f"method={method_name} needs an Allocator to count")
+    plan = row_plan(dims, method_name, frames, size_hw, retention, text_tokens)
+    scoring = allocator.flops(frames, query_tokens) if method.needs_allocator else 0
+    ranking = None  # each stage's ranking, in the layer before it
+    if plan.stages is not None:
+        ranking = sum(ranking_flops(dims.text, plan.prompt[s.layer - 1]) for s in plan.stages)
+    flops = sample_flops(dims, method, plan.grids, retention, plan.prompt, output_tokens, ranking, allocator=scoring)
+    return flops, plan.visual
