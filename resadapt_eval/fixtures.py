@@ -69,13 +69,7 @@ def _token_ids(tok) -> dict:
 def build_qwen25vl(tok, seed: int = 0):
     """Tiny random Qwen2.5-VL (text hidden 64, 2 heads of 32, 12 layers, deep enough for pruning inside
     the LLM at R=0.1; vision depth 2) and processor."""
-    from transformers import (
-        Qwen2_5_VLConfig,
-        Qwen2_5_VLForConditionalGeneration,
-        Qwen2_5_VLProcessor,
-        Qwen2VLImageProcessor,
-        Qwen2VLVideoProcessor,
-    )
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
 
     vocab_size = len(tok)
     config = Qwen2_5_VLConfig(
@@ -109,25 +103,25 @@ def build_qwen25vl(tok, seed: int = 0):
     )
     torch.manual_seed(seed)
     model = Qwen2_5_VLForConditionalGeneration(config).eval()
+    return model, qwen25vl_processor(tok)
+
+
+def qwen25vl_processor(tok):
+    """Qwen2.5-VL's processor (14 px patches, 2 x 2 merge, temporal patch 2) around `tok`."""
+    from transformers import Qwen2_5_VLProcessor, Qwen2VLImageProcessor, Qwen2VLVideoProcessor
+
     common = dict(patch_size=14, merge_size=2, temporal_patch_size=2, image_mean=IMAGE_MEAN, image_std=IMAGE_STD)
-    processor = Qwen2_5_VLProcessor(
+    return Qwen2_5_VLProcessor(
         image_processor=Qwen2VLImageProcessor(**common),
         video_processor=Qwen2VLVideoProcessor(**common),
         tokenizer=tok,
         chat_template=CHAT_TEMPLATE,
     )
-    return model, processor
 
 
 def build_qwen3vl(tok, seed: int = 0):
     """Tiny random Qwen3-VL (text hidden 64, 2 heads of 32, 12 layers; vision depth 2 with deepstack) and processor."""
-    from transformers import (
-        Qwen2VLImageProcessor,
-        Qwen3VLConfig,
-        Qwen3VLForConditionalGeneration,
-        Qwen3VLProcessor,
-        Qwen3VLVideoProcessor,
-    )
+    from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
 
     config = Qwen3VLConfig(
         text_config=dict(
@@ -164,14 +158,20 @@ def build_qwen3vl(tok, seed: int = 0):
     )
     torch.manual_seed(seed)
     model = Qwen3VLForConditionalGeneration(config).eval()
+    return model, qwen3vl_processor(tok)
+
+
+def qwen3vl_processor(tok):
+    """Qwen3-VL's processor (16 px patches, 2 x 2 merge, temporal patch 2) around `tok`."""
+    from transformers import Qwen2VLImageProcessor, Qwen3VLProcessor, Qwen3VLVideoProcessor
+
     common = dict(patch_size=16, merge_size=2, temporal_patch_size=2, image_mean=IMAGE_MEAN, image_std=IMAGE_STD)
-    processor = Qwen3VLProcessor(
+    return Qwen3VLProcessor(
         image_processor=Qwen2VLImageProcessor(**common),
         video_processor=Qwen3VLVideoProcessor(**common),
         tokenizer=tok,
         chat_template=CHAT_TEMPLATE,
     )
-    return model, processor
 
 
 def build_smolvlm(tok, seed: int = 0):
@@ -218,6 +218,145 @@ def write_backbone(name: str, out_dir: Path, seed: int = 0) -> Path:
     processor.save_pretrained(out_dir)
     tok.save_pretrained(out_dir)
     return out_dir
+
+
+# ---------------------------------------------------------------- real-width random checkpoints
+
+# The published configs a real-width model is built from (`compute.configs.KNOWN_CONFIGS`), and
+# the backbone family (`backbones.qwen.ADAPTERS`) each belongs to.
+REAL_WIDTH = {"qwen25vl-7b": "qwen25vl", "qwen3vl-8b": "qwen3vl"}
+REAL_WIDTH_VERSION = 1  # bump when the real-width builder changes, so cached folders are rewritten
+# (text layers, vision blocks) of the reduced-depth models CPU checks run: 4 decoder layers; Qwen2.5-VL
+# keeps a windowed block and a full-attention one, Qwen3-VL 4 blocks so that its 3 deepstack mergers
+# stay (blocks 1, 2, 3, added after decoder layers 0-2, which leaves layer 3 to prune at).
+REDUCED_DEPTH = {"qwen25vl-7b": (4, 2), "qwen3vl-8b": (4, 4)}
+
+
+def reduced_full_attention(blocks: list[int], depth: int, reduced: int) -> list[int]:
+    """Qwen2.5-VL's full-attention blocks in its `depth`-block tower cut to `reduced` blocks: the
+    published ones below the new last block, and the last block (the published tower ends in
+    one), so a cut tower of at least 2 blocks keeps windowed and full-attention blocks (32 blocks
+    with 7, 15, 23, 31 cut to 2: [1]; to 10: [7, 9]); at full depth the published ones."""
+    if reduced == depth:
+        return list(blocks)
+    if reduced < 2:
+        raise ValueError(f"a Qwen2.5-VL vision tower needs at least 2 blocks (one windowed, one full), not {reduced}")
+    return sorted({b for b in blocks if b < reduced - 1} | {reduced - 1})
+
+
+def reduced_deepstack(indexes: list[int], depth: int, reduced: int) -> list[int]:
+    """Qwen3-VL's deepstack blocks at the same relative depth of its `depth`-block tower cut to
+    `reduced` blocks, round(i (reduced - 1) / (depth - 1)) without repeats (8, 16, 24 of 27 blocks:
+    1, 2, 3 of 4; 0, 1 of 2); at full depth the published ones."""
+    if reduced == depth:
+        return list(indexes)
+    return sorted({round(i * (reduced - 1) / (depth - 1)) for i in indexes})
+
+
+def real_width_config(name: str, tok, text_layers: int | None = None, vision_blocks: int | None = None):
+    """The transformers config of the published backbone `name` (`REAL_WIDTH`) at its real widths
+    (hidden sizes, heads, KV heads, intermediate sizes, vocabulary, patch, window, rope sections),
+    with `text_layers` decoder layers and `vision_blocks` vision blocks (None: the published depth;
+    `reduced_full_attention`, `reduced_deepstack`) and `tok`'s special token ids."""
+    import copy
+
+    from transformers import Qwen2_5_VLConfig, Qwen3VLConfig
+
+    from .compute.configs import KNOWN_CONFIGS
+
+    if name not in REAL_WIDTH:
+        raise ValueError(f"unknown real-width backbone {name!r}; known: {', '.join(REAL_WIDTH)}")
+    published = copy.deepcopy(KNOWN_CONFIGS[name])
+    text, vision = published["text_config"], published["vision_config"]
+    text_layers = text["num_hidden_layers"] if text_layers is None else text_layers
+    vision_blocks = vision["depth"] if vision_blocks is None else vision_blocks
+    if text_layers < 1 or vision_blocks < 1:
+        raise ValueError(f"need at least 1 text layer and 1 vision block, got {text_layers} and {vision_blocks}")
+    if "fullatt_block_indexes" in vision:
+        vision["fullatt_block_indexes"] = reduced_full_attention(
+            vision["fullatt_block_indexes"], vision["depth"], vision_blocks
+        )
+    if "deepstack_visual_indexes" in vision:
+        deepstack = reduced_deepstack(vision["deepstack_visual_indexes"], vision["depth"], vision_blocks)
+        if len(deepstack) > text_layers:
+            raise ValueError(
+                f"{name} with {vision_blocks} vision blocks adds deepstack features after {len(deepstack)} decoder "
+                f"layers; give at least {len(deepstack)} text layers, not {text_layers}"
+            )
+        vision["deepstack_visual_indexes"] = deepstack
+    text["num_hidden_layers"], vision["depth"] = text_layers, vision_blocks
+    text.update(bos_token_id=None, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    config_cls = Qwen2_5_VLConfig if published.pop("model_type") == "qwen2_5_vl" else Qwen3VLConfig
+    return config_cls(**published, **_token_ids(tok))
+
+
+def build_real_width(
+    name: str,
+    text_layers: int | None = None,
+    vision_blocks: int | None = None,
+    seed: int = 0,
+    device: str = "cpu",
+    attn_implementation: str | None = None,
+):
+    """(model, processor): the published backbone `name` at its real widths and the given depth
+    (`real_width_config`), random bfloat16 weights (transformers' initialisation, seeded) made on
+    `device`, nothing downloaded. The processor wraps the fixtures' byte-level tokenizer (263
+    tokens); the config keeps the published vocabulary size, so the embeddings and lm_head have
+    their real size (generated ids the tokenizer lacks decode to nothing)."""
+    from transformers import Qwen2_5_VLForConditionalGeneration, Qwen3VLForConditionalGeneration
+
+    tok = build_tokenizer()
+    config = real_width_config(name, tok, text_layers, vision_blocks)
+    family = REAL_WIDTH[name]
+    model_cls = Qwen2_5_VLForConditionalGeneration if family == "qwen25vl" else Qwen3VLForConditionalGeneration
+    extra = {} if attn_implementation is None else dict(attn_implementation=attn_implementation)
+    torch.manual_seed(seed)
+    with torch.device(device):
+        model = model_cls._from_config(config, dtype=torch.bfloat16, **extra).eval()
+    processor = qwen25vl_processor(tok) if family == "qwen25vl" else qwen3vl_processor(tok)
+    return model, processor
+
+
+def write_real_width(
+    out: Path, name: str, text_layers: int | None = None, vision_blocks: int | None = None, seed: int = 0
+) -> Path:
+    """Save `build_real_width(name, text_layers, vision_blocks, seed)` (config, bfloat16
+    safetensors, tokenizer, processor) to `out`, loadable as `pretrained=out` by the lmms-eval
+    classes and `resadapt-eval flops --backbone out`; returns `out`."""
+    out = Path(out)
+    model, processor = build_real_width(name, text_layers, vision_blocks, seed)
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out)
+    processor.save_pretrained(out)
+    processor.tokenizer.save_pretrained(out)
+    del model
+    (out / COMPLETE_MARKER).write_text(_real_width_marker(name, text_layers, vision_blocks, seed))
+    return out
+
+
+def _real_width_marker(name: str, text_layers: int | None, vision_blocks: int | None, seed: int) -> str:
+    return f"version={REAL_WIDTH_VERSION} {name} text_layers={text_layers} vision_blocks={vision_blocks} seed={seed}\n"
+
+
+def real_width_folder(
+    root: Path, name: str, text_layers: int | None = None, vision_blocks: int | None = None, seed: int = 0
+) -> Path:
+    """`root/<name>-t<text_layers>-v<vision_blocks>` (`full` for the published depth), `-seed<seed>` added
+    for a seed other than 0."""
+    seeded = "" if seed == 0 else f"-seed{seed}"
+    return Path(root) / f"{name}-t{text_layers or 'full'}-v{vision_blocks or 'full'}{seeded}"
+
+
+def ensure_real_width(
+    root: Path, name: str, text_layers: int | None = None, vision_blocks: int | None = None, seed: int = 0
+) -> Path:
+    """`write_real_width` into `real_width_folder(root, ...)` unless a complete folder of the same
+    settings is already there; returns the folder."""
+    out = real_width_folder(root, name, text_layers, vision_blocks, seed)
+    marker = out / COMPLETE_MARKER
+    if not marker.exists() or marker.read_text() != _real_width_marker(name, text_layers, vision_blocks, seed):
+        write_real_width(out, name, text_layers, vision_blocks, seed)
+    return out
 
 
 # ---------------------------------------------------------------- smoke video-QA dataset
