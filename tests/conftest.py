@@ -24,3 +24,15 @@ def adapters(fixtures_dir):
     from resadapt_eval.backbones.qwen import ADAPTERS
 
     return {name: cls.from_pretrained(str(fixtures_dir / name), dtype="float32") for name, cls in ADAPTERS.items()}
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """One intra-op torch thread for a module of tiny-tensor tests: much faster, and steadier on a
+    shared 2-core machine, than several (`pytestmark = pytest.mark.usefixtures("one_thread")`)."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

@@ -50,13 +50,7 @@ RETENTION = 0.4  # above PyramidDrop's floor at its default layers on the 12-lay
 NEEDS_ATTENTION = [name for name, method in METHODS.items() if method.needs_attention]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny tensors: one intra-op thread avoids thread contention on a busy machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
 
 
 @pytest.fixture(scope="module")

@@ -21,14 +21,7 @@ import torch
 from resadapt_eval.baselines.common import VisualTokens, merge_groups
 from resadapt_eval.baselines.divprune import compress
 
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny tensors: one intra-op thread avoids thread contention on a busy machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
 
 
 SETTINGS = [[9], [6, 6, 6], [5, 5, 5], [7, 4, 6, 3], [3, 3, 3, 3, 3, 3, 3], [2, 8]]

@@ -47,13 +47,7 @@ CASES = 20
 TTM_SETTINGS = [(5, 6), (6, 5), (7, 4), (8, 5), (9, 6), (10, 3), (3, 5), (2, 4)]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny tensors: one intra-op thread avoids thread contention on a busy machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
 
 
 def cosine(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:

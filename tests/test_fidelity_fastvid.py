@@ -25,13 +25,7 @@ KNN = 4  # modeling_qwen2.py :977, the token itself included
 CASES = 24  # random cases per setting
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny tensors: one thread is much faster (and steadier on a shared machine) than several."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
 
 
 # ---- the reference, written out ----

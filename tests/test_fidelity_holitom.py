@@ -34,13 +34,7 @@ INNER_K, INNER_LAYERS, INNER_R = 18, 28, 0.5  # eval_ov-7b_holitom.sh HOLITOM_k=
 CASES = 24  # random cases per setting
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny tensors: one thread is much faster (and steadier on a shared machine) than several."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
 
 
 # ---- the reference's vision side, written out ----

@@ -27,13 +27,7 @@ TAU, SEGMENT_RATIO, KNN, ALPHA = 0.8, 0.25, 7, 0.4  # scripts/eval.sh :10-11, mo
 CASES = 24  # random cases per setting
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny tensors: one thread is much faster (and steadier on a shared machine) than several."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
 
 
 # ---- the reference's vision side, written out ----

@@ -16,15 +16,8 @@ import torch
 from resadapt_eval.baselines.common import DROPPED, VisualTokens, merge_groups
 from resadapt_eval.baselines.random_drop import compress
 
-
 # (pair sizes): odd and even totals, one pair, several pairs, unequal pairs
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny tensors: one intra-op thread avoids thread contention on a busy machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
 
 
 SETTINGS = [[9], [6, 6, 6], [5, 5, 5], [7, 4, 6, 3], [2, 3, 2, 3, 2, 3, 1]]

@@ -35,13 +35,7 @@ ALPHAS = [2.0**k for k in range(-3, 2)]  # vidcom2.py:54
 TEMPERATURE = 0.01  # vidcom2.py:64
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny tensors: one intra-op thread avoids thread contention on a busy machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
 
 
 def gaussian(x: torch.Tensor, centre: torch.Tensor) -> torch.Tensor:
