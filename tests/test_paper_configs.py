@@ -151,8 +151,10 @@ def test_paper_cards_load_with_the_authors_budget_rule(name, tmp_path):
     assert (budget.min_tokens_per_pair, budget.max_tokens_per_pair) == (4, 768)
     # With an Allocator trained by configs/paper_*.yaml (its budget.json: the 8,192-token training base),
     # the card still evaluates at its own base size and frame count.
+    from resadapt_eval.allocator import Allocator, AllocatorConfig
+
     checkpoint = tmp_path / "allocator"
-    checkpoint.mkdir()
+    Allocator(AllocatorConfig(encoder="tiny", width=32, num_heads=4, num_layers=2)).save_pretrained(checkpoint)
     trained = dict(max_pixels=100352, max_num_frames=128, s_min=0.2, s_max=1.8, min_tokens_per_pair=4)
     (checkpoint / "budget.json").write_text(json.dumps(trained))
     config = config_from_model_args(
