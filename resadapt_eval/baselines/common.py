@@ -7,7 +7,8 @@ optionally, a *weight* per token. A group sits at its destination's M-RoPE posit
 feature is the weighted sum of its members' features (weights None: the plain mean of the
 members, so repeated size-weighted merging stays exact). Weights let a method state its own merge
 rule without the shared code knowing it: VisionZip's target + mean of the merged tokens,
-FlashVID's mean of tree means. Deepstack features (Qwen3-VL) are merged with the same weights.
+FlashVID's tree features, FastVID's and HoliTom's beta-weighted centres. Deepstack features
+(Qwen3-VL) are merged with the same weights.
 """
 
 from __future__ import annotations
