@@ -172,7 +172,7 @@ def test_received_attention_is_a_distribution_per_attention_segment(adapters, ba
             adapter.model.model.get_video_features(
                 full["pixel_values_videos"], full["video_grid_thw"], return_dict=True
             )
-        received = adapter.received_attention(captured, full["video_grid_thw"])
+        received, _ = adapter.last_block_scores(captured, full["video_grid_thw"])
     assert received.shape == (plan.visual_tokens,) and (received > 0).all()
     # Softmax rows sum to 1 within each attention segment; averaged over 4-patch units the
     # total is (segments) / 4.

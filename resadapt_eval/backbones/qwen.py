@@ -157,10 +157,6 @@ class QwenVideoAdapter:
         order = self.unit_order(grid_thw)
         return (received, keys) if order is None else (received[order], keys[order])
 
-    def received_attention(self, captured: dict, grid_thw: torch.Tensor) -> torch.Tensor:
-        """The (N,) received attention of `last_block_scores`."""
-        return self.last_block_scores(captured, grid_thw)[0]
-
     @torch.inference_mode()
     def build_compressed_inputs(
         self,
