@@ -428,3 +428,41 @@ def test_the_trainer_records_the_backbone_beside_the_checkpoint(fixtures_dir, tm
     trainer.train(progress=False)
     saved = tmp_path / "run" / "checkpoints" / "step-000001" / "allocator" / "backbone.json"
     assert json.loads(saved.read_text()) == dict(family="qwen25vl", pretrained=str(fixtures_dir / "qwen25vl"))
+
+
+# ---------------------------------------------------------------- 6. a malformed dataset row
+
+
+def test_a_videomme_row_with_null_options_fails_that_sample_and_the_run_goes_on(fixtures_dir, tmp_path):
+    """lmms-eval builds every prompt before the first sample: its own `videomme_doc_to_text` raises
+    a TypeError on `options: null` and ends the run. Through our task functions the row is recorded
+    as failed with its reason, and the other rows are answered and scored."""
+    from lmms_eval.evaluator import simple_evaluate
+    from lmms_eval.tasks import TaskManager
+
+    rows = [json.loads(line) for line in (fixtures_dir / "benchmarks/videomme/test.jsonl").read_text().splitlines()]
+    rows = rows[:3]
+    rows[1]["options"] = None
+    data = tmp_path / "rows.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    task_yaml = (fixtures_dir.parent / "tasks/resadapt_fixtures/resadapt_fixture_videomme.yaml").read_text()
+    task_yaml = task_yaml.replace("resadapt_fixture_videomme", "careful_videomme")
+    task_yaml = re.sub(r"test: \S+", f"test: {data}", task_yaml)
+    (tmp_path / "tasks").mkdir()
+    (tmp_path / "tasks" / "careful_videomme.yaml").write_text(task_yaml)
+
+    model = lmms_model(fixtures_dir, tmp_path, method="fixed_scale", retention=0.25)
+    results = simple_evaluate(
+        model=model,
+        tasks=["careful_videomme"],
+        task_manager=TaskManager(include_path=str(tmp_path / "tasks")),
+        log_samples=True,
+    )
+    records = [json.loads(line) for line in model.sidecar_path.read_text().splitlines()]
+    assert len(records) == 3
+    failed = [r for r in records if r["error"] is not None]
+    assert len(failed) == 1 and failed[0]["doc_id"] == 1
+    assert "question_id='smoke_001-1' cannot be asked: options is None" in failed[0]["error"]
+    assert [len(results["samples"]["careful_videomme"])] == [3]
+    manifest = json.loads(model.manifest_path.read_text())
+    assert (manifest["samples"], manifest["failed_samples"]) == (3, 1)
