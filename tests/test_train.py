@@ -146,3 +146,75 @@ def test_training_data_formats_and_errors(tmp_path):
         load_samples(bad)
     with pytest.raises(FileNotFoundError, match="training data not found"):
         load_samples(tmp_path / "nope.jsonl")
+
+
+def two_sample_config(tmp_path, fixtures_dir, name, cache):
+    """The tiny config on the first two smoke clips (each drawn three times in 3 steps of 2), with
+    `cache` as its cache section."""
+    source = fixtures_dir / "smoke_videoqa" / "train.jsonl"
+    rows = [json.loads(line) for line in source.read_text().splitlines()[:2]]
+    for row in rows:
+        row["video"] = str((source.parent / row["video"]).resolve())
+    data = tmp_path / "two.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    config = yaml.safe_load(tiny_config(tmp_path, fixtures_dir).read_text())
+    config.update(output_dir=str(tmp_path / name), data=str(data), cache=cache)
+    path = tmp_path / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+def test_the_caches_change_nothing_but_the_time_and_every_step_is_clocked(fixtures_dir, tmp_path, one_thread):
+    from resadapt_eval.train.config import build_trainer
+
+    runs = {}
+    for name, cache in (("cached", dict(frames_mb=64, features_mb=64)), ("uncached", dict(frames_mb=0, features_mb=0))):
+        trainer = build_trainer(two_sample_config(tmp_path, fixtures_dir, name, cache))
+        runs[name] = (trainer.train(progress=False), trainer)
+    (cached, with_caches), (uncached, without) = runs["cached"], runs["uncached"]
+    a = with_caches.allocator.trainable_state_dict()
+    b = without.allocator.trainable_state_dict()
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert len(cached) == len(uncached) == 3
+    for row_cached, row_uncached in zip(cached, uncached):
+        costs = ("seconds", "cache")
+        assert {k: v for k, v in row_cached.items() if k not in costs} == {
+            k: v for k, v in row_uncached.items() if k not in costs
+        }
+    # 6 draws of 2 videos: 2 misses then hits; without a cache every draw misses.
+    assert cached[-1]["cache"] == dict(features_hits=4, features_misses=2, frames_hits=4, frames_misses=2)
+    assert uncached[-1]["cache"] == dict(features_hits=0, features_misses=6, frames_hits=0, frames_misses=6)
+    for row in cached + uncached:
+        seconds = row["seconds"]
+        assert set(seconds) == {"decode", "features", "allocation", "rollout_build", "rollout_generate", "rewards"} | {
+            "update",
+            "step",
+        }
+        assert seconds["rollout_generate"] > 0 and seconds["update"] > 0
+        assert sum(v for k, v in seconds.items() if k != "step") <= seconds["step"]
+        assert row["rollouts"] == 2 * 4  # batch 2 x M 4 x N 1
+        assert 0 < row["response_tokens"] <= row["rollouts"] * 4  # max_new_tokens 4
+    # the metrics file carries the same rows
+    written = [json.loads(line) for line in (tmp_path / "cached" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["cache"] for r in written] == [r["cache"] for r in cached]
+
+
+@pytest.mark.parametrize(
+    "rollout, train, message",
+    [
+        (dict(engine="vllm"), dict(train_backbone=True), "rollout.engine vllm keeps the backbone frozen"),
+        (dict(engine="sglang"), {}, r"rollout.engine must be one of \('hf', 'vllm'\), got 'sglang'"),
+        (dict(vllm=dict(gpu_memory_utilization=0.5)), {}, "rollout.vllm sets the vLLM engine, but rollout.engine"),
+        (dict(engine="vllm", vllm=dict(gpu_memory=0.5)), {}, r"unknown keys \['gpu_memory'\] in `rollout.vllm`"),
+    ],
+)
+def test_engine_settings_that_cannot_work_stop_before_anything_loads(fixtures_dir, tmp_path, rollout, train, message):
+    from resadapt_eval.train.config import build_trainer
+
+    config = yaml.safe_load(tiny_config(tmp_path, fixtures_dir).read_text())
+    config["rollout"].update(rollout)
+    config["train"].update(train)
+    path = tmp_path / "bad.yaml"
+    path.write_text(yaml.safe_dump(config))
+    with pytest.raises(ValueError, match=message):
+        build_trainer(path)

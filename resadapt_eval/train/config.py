@@ -4,12 +4,17 @@
     data: path/to/train.jsonl           # see train/data.py for the columns
     backbone: {family: qwen25vl, pretrained: PATH, device: cpu, dtype: float32, attn_implementation: null}
                                         # device: cuda = each process's own GPU under `accelerate launch`
-    rollout: {max_num_frames: 8, max_new_tokens: 32, temperature: 1.0, check_format: false,
+    rollout: {engine: hf,                               # or vllm: the whole step in one batched vLLM call
+              max_num_frames: 8, max_new_tokens: 32, temperature: 1.0, check_format: false,
               min_pixels: null, max_pixels: null, min_tokens_per_pair: 1, max_tokens_per_pair: null,
               pair_reduction: mean,
               answer: generate, choices: ABCD,          # or choice_logits (multiple choice, one forward)
-              retention: null, s_min: 0.2, s_max: 1.8}  # R or [lo, hi] (R drawn per prompt): project each
+              retention: null, s_min: 0.2, s_max: 1.8,  # R or [lo, hi] (R drawn per prompt): project each
                                                         # allocation onto R within [s_min, s_max]
+              vllm: {gpu_memory_utilization: 0.5, tensor_parallel_size: 1, max_model_len: null,
+                     kv_cache_memory_bytes: null}}     # engine: vllm only (see VLLM_KEYS)
+    cache: {frames_mb: 4096, features_mb: 2048}         # decoded videos and frozen-encoder features kept
+                                                        # across steps (MB per process; 0: none)
     allocator: {checkpoint: null}       # or `untrained`, or a folder (with it, only text_positions: true
                                         # may be added: it adds no weights); otherwise AllocatorConfig fields
     capo: {...}                         # CAPOConfig fields
@@ -29,14 +34,17 @@ from ..allocator import UNTRAINED, Allocator, AllocatorConfig, load_allocator
 from ..backbones.qwen import ADAPTERS
 from ..budget.policies import BudgetSpec
 from ..capo.losses import CAPOConfig
+from .caches import FeatureCache, FrameCache
 from .data import load_samples
 from .engines import HFRolloutEngine
 from .trainer import AllocatorTrainer, TrainConfig
 
 CHECKPOINT_OVERRIDES = ("text_positions",)  # AllocatorConfig fields a `checkpoint` may change: no weights
-SECTIONS = ("output_dir", "data", "backbone", "rollout", "allocator", "capo", "train")
+SECTIONS = ("output_dir", "data", "backbone", "rollout", "cache", "allocator", "capo", "train")
 BACKBONE_KEYS = ("family", "pretrained", "device", "dtype", "attn_implementation")
 ROLLOUT_KEYS = (
+    "engine",
+    "vllm",
     "max_num_frames",
     "max_new_tokens",
     "temperature",
@@ -52,6 +60,13 @@ ROLLOUT_KEYS = (
     "s_min",
     "s_max",
 )
+ENGINES = ("hf", "vllm")
+# vLLM's own engine arguments: the fraction of each GPU's memory vLLM may take (weights, KV cache and
+# activations; the Allocator shares the GPU), GPUs per engine (tensor parallel), the longest prompt plus
+# answer in tokens (default: the checkpoint's), and on CPU the KV cache size in bytes.
+VLLM_KEYS = ("gpu_memory_utilization", "tensor_parallel_size", "max_model_len", "kv_cache_memory_bytes")
+CACHE_KEYS = ("frames_mb", "features_mb")
+CACHE_DEFAULTS = dict(frames_mb=4096, features_mb=2048)
 
 
 def _check_keys(path: Path, section: str, given: dict, allowed) -> None:
@@ -90,26 +105,32 @@ def build_trainer(config_path: str | Path, steps: int | None = None) -> Allocato
         from accelerate import PartialState
 
         device = str(PartialState().device)
-    adapter = ADAPTERS[family].from_pretrained(
-        pretrained,
-        device=device,
-        dtype=backbone_cfg.get("dtype", "auto"),
-        attn_implementation=backbone_cfg.get("attn_implementation"),
-    )
-
     rollout = dict(raw.get("rollout") or {})
     _check_keys(path, "rollout", rollout, ROLLOUT_KEYS)
+    engine_name = rollout.pop("engine", "hf")
+    if engine_name not in ENGINES:
+        raise ValueError(f"{path}: rollout.engine must be one of {ENGINES}, got {engine_name!r}")
+    vllm_settings = dict(rollout.pop("vllm", None) or {})
+    _check_keys(path, "rollout.vllm", vllm_settings, VLLM_KEYS)
+    if vllm_settings and engine_name != "vllm":
+        raise ValueError(f"{path}: rollout.vllm sets the vLLM engine, but rollout.engine is {engine_name!r}")
+    train_cfg = dict(raw.get("train") or {})
+    if engine_name == "vllm" and train_cfg.get("train_backbone"):
+        from .vllm_rollouts import STALE_WEIGHTS
+
+        raise ValueError(f"{path}: {STALE_WEIGHTS}")
+    cache = {**CACHE_DEFAULTS, **(raw.get("cache") or {})}
+    _check_keys(path, "cache", cache, CACHE_KEYS)
+    max_num_frames = rollout.pop("max_num_frames", 8)
+    frames = FrameCache(max_num_frames, cache["frames_mb"])
     budget = BudgetSpec(
-        s_min=rollout.get("s_min", 0.2),
-        s_max=rollout.get("s_max", 1.8),
-        min_tokens_per_pair=rollout.get("min_tokens_per_pair", 1),
-        max_tokens_per_pair=rollout.get("max_tokens_per_pair"),
-        pair_reduction=rollout.get("pair_reduction", "mean"),
+        s_min=rollout.pop("s_min", 0.2),
+        s_max=rollout.pop("s_max", 1.8),
+        min_tokens_per_pair=rollout.pop("min_tokens_per_pair", 1),
+        max_tokens_per_pair=rollout.pop("max_tokens_per_pair", None),
+        pair_reduction=rollout.pop("pair_reduction", "mean"),
     )
-    engine = HFRolloutEngine(
-        adapter,
-        max_num_frames=rollout.get("max_num_frames", 8),
-        budget=budget,
+    settings = dict(
         min_pixels=rollout.get("min_pixels"),
         max_pixels=rollout.get("max_pixels"),
         max_new_tokens=rollout.get("max_new_tokens", 32),
@@ -118,8 +139,38 @@ def build_trainer(config_path: str | Path, steps: int | None = None) -> Allocato
         answer=rollout.get("answer", "generate"),
         choices=rollout.get("choices", "ABCD"),
         retention=rollout.get("retention"),
-        seed=(raw.get("train") or {}).get("seed", 0),
+        seed=train_cfg.get("seed", 0),
+        frames=frames,
     )
+    adapter = None
+    if engine_name == "hf":
+        adapter = ADAPTERS[family].from_pretrained(
+            pretrained,
+            device=device,
+            dtype=backbone_cfg.get("dtype", "auto"),
+            attn_implementation=backbone_cfg.get("attn_implementation"),
+        )
+        engine = HFRolloutEngine(adapter, max_num_frames, budget, **settings)
+    else:
+        from ..backbones.vllm_engine import VLLMBackbone
+        from .vllm_rollouts import VLLMRolloutEngine, pin_engine_gpu
+
+        if device.startswith("cuda"):
+            from accelerate import PartialState
+
+            state = PartialState()
+            tensor_parallel = vllm_settings.get("tensor_parallel_size", 1)
+            pin_engine_gpu(state.local_process_index, state.num_processes, tensor_parallel)
+        backbone = VLLMBackbone(
+            family,
+            pretrained,
+            max_num_frames,
+            dtype=backbone_cfg.get("dtype", "auto"),
+            seed=settings["seed"],
+            allocator_device=device,
+            **vllm_settings,
+        )
+        engine = VLLMRolloutEngine(backbone, family, pretrained, max_num_frames, budget, **settings)
 
     allocator_cfg = dict(raw.get("allocator") or {})
     checkpoint = allocator_cfg.pop("checkpoint", None)
@@ -138,7 +189,6 @@ def build_trainer(config_path: str | Path, steps: int | None = None) -> Allocato
         allocator = Allocator(_dataclass_from(path, "allocator", AllocatorConfig, allocator_cfg)).to(device)
 
     capo = _dataclass_from(path, "capo", CAPOConfig, dict(raw.get("capo") or {}))
-    train_cfg = dict(raw.get("train") or {})
     if "output_dir" in train_cfg:
         raise ValueError(f"{path}: put output_dir at the top level, not in `train`")
     train_cfg["output_dir"] = resolve(raw["output_dir"])
@@ -146,4 +196,5 @@ def build_trainer(config_path: str | Path, steps: int | None = None) -> Allocato
         train_cfg["steps"] = steps
     train = _dataclass_from(path, "train", TrainConfig, train_cfg)
     samples = load_samples(resolve(raw["data"]))
-    return AllocatorTrainer(allocator, engine, samples, train, capo, backbone=adapter)
+    features = FeatureCache(cache["features_mb"])
+    return AllocatorTrainer(allocator, engine, samples, train, capo, backbone=adapter, features=features)

@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 import math
 import shutil
+import time
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -30,7 +31,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from ..allocator import BACKBONE_FILE, BUDGET_FILE, Allocator, backbone_identity
+from ..allocator import BACKBONE_FILE, BUDGET_FILE, Allocator
 from ..capo.losses import (
     CAPOConfig,
     allocation_advantage,
@@ -42,6 +43,7 @@ from ..capo.losses import (
     similarity_loss,
 )
 from ..manifest import write_json
+from .caches import FeatureCache, StepClock
 
 CHECKPOINTS = "checkpoints"
 COMPLETE = "complete"  # written last in a checkpoint folder
@@ -103,22 +105,23 @@ def latest_checkpoint(output_dir: str | Path) -> Path | None:
     return done[-1] if done else None
 
 
-def trained_backbone(adapter) -> dict:
-    """`backbone.json` of a checkpoint trained with the HF backbone `adapter`: its family and the
-    folder or hub id it was loaded from (`allocator.backbone_identity`)."""
-    from ..backbones.qwen import ADAPTERS
-
-    family = next(name for name, cls in ADAPTERS.items() if isinstance(adapter, cls))
-    return backbone_identity(family, adapter.model.config._name_or_path)
-
-
 class AllocatorTrainer:
     def __init__(
-        self, allocator: Allocator, engine, samples: list, config: TrainConfig, capo: CAPOConfig, backbone=None
+        self,
+        allocator: Allocator,
+        engine,
+        samples: list,
+        config: TrainConfig,
+        capo: CAPOConfig,
+        backbone=None,
+        features: FeatureCache | None = None,
     ):
+        """engine: a `RolloutEngine`; backbone: the HF adapter the joint update trains (with
+        `train_backbone`); features: the frozen-encoder feature cache (None: none kept)."""
         from accelerate import Accelerator
 
         self.config, self.capo, self.engine, self.samples = config, capo, engine, samples
+        self.features = features if features is not None else FeatureCache(max_mb=0)
         # The Allocator's device decides (under `accelerate launch` on GPUs: this process's GPU).
         self.accelerator = Accelerator(cpu=next(allocator.parameters()).device.type == "cpu")
         processes = self.accelerator.num_processes
@@ -163,38 +166,52 @@ class AllocatorTrainer:
     def train_step(self) -> dict:
         cfg, capo = self.config, self.capo
         s_min, s_max = self.allocator.config.s_min, self.allocator.config.s_max
-        collected = []
-        for index, sample in self.batch_for_step(self.step):
-            seed = prompt_seed(cfg.seed, self.step, index)
-            torch.manual_seed(seed)  # the allocations below and the backbone's sampled answers (HF generate)
-            prompt = self.engine.prompt(sample)
-            feats = self.allocator.encode([torch.from_numpy(np.ascontiguousarray(prompt.frames))], [prompt.query])
-            with torch.no_grad():
+        clock = StepClock()
+        started = time.perf_counter()
+        batch = self.batch_for_step(self.step)
+        seeds = [prompt_seed(cfg.seed, self.step, index) for index, _ in batch]
+        prompts, collected = [], []
+        for (index, sample), seed in zip(batch, seeds):
+            torch.manual_seed(seed)  # the allocations below
+            with clock.phase("decode"):
+                prompt = self.engine.prompt(sample)
+            with clock.phase("features"):
+                feats = self.features.encode(self.allocator, prompt.frames, prompt.query, prompt.video_key)
+            with torch.no_grad(), clock.phase("allocation"):
                 dist = self.allocator.make_distribution(*self.model(**feats))  # (1, T)
                 a = dist.sample((cfg.num_allocations,))[:, 0].clamp(LATENT_EPS, 1 - LATENT_EPS)  # (M, T)
                 logp_old = dist.log_prob(a)
-            scales = self.allocator.to_scale(a)
-            rollouts = self.engine.rollouts(
-                prompt,
-                scales.double().cpu().numpy(),
-                cfg.rollouts_per_allocation,
-                keep_backbone_inputs=cfg.train_backbone,
-                seed=seed,
-            )
-            cost = proxy_cost(scales, s_min, s_max)
-            advantage = rollout_advantage(rollouts.task_reward.float(), cost, rollouts.correct.float(), capo)
-            collected.append(
-                dict(
-                    index=index,
-                    feats=feats,
-                    a=a,
-                    logp_old=logp_old,
-                    scales=scales,
-                    advantage=advantage,
-                    rollouts=rollouts,
-                )
-            )
+            prompts.append(prompt)
+            collected.append(dict(index=index, feats=feats, a=a, logp_old=logp_old, scales=self.allocator.to_scale(a)))
 
+        # Every prompt's rollouts at once: the vLLM engine answers the whole step in one call.
+        all_rollouts = self.engine.rollout_batch(
+            prompts,
+            [item["scales"].double().cpu().numpy() for item in collected],
+            cfg.rollouts_per_allocation,
+            keep_backbone_inputs=cfg.train_backbone,
+            seeds=seeds,
+            clock=clock,
+        )
+        for item, rollouts in zip(collected, all_rollouts):
+            cost = proxy_cost(item["scales"], s_min, s_max)
+            item["advantage"] = rollout_advantage(rollouts.task_reward.float(), cost, rollouts.correct.float(), capo)
+            item["rollouts"] = rollouts
+
+        with clock.phase("update"):
+            losses = self.update(collected)
+            backbone_loss = self.backbone_step(collected) if cfg.train_backbone else None
+        self.step += 1
+        clock.seconds["step"] = time.perf_counter() - started
+        metrics = self.metrics(collected, losses)
+        metrics.update(self.step_costs(clock, all_rollouts))
+        if backbone_loss is not None:
+            metrics["loss_backbone"] = backbone_loss
+        return metrics
+
+    def update(self, collected: list) -> list[dict]:
+        """PPO epochs of the Allocator on a step's collected prompts; the last epoch's losses per prompt."""
+        cfg, capo = self.config, self.capo
         for _ in range(cfg.ppo_epochs):
             losses = []  # per prompt, of the last epoch
             total = 0.0
@@ -226,13 +243,7 @@ class AllocatorTrainer:
             self.accelerator.backward(total)
             self.accelerator.clip_grad_norm_(self.model.parameters(), cfg.grad_clip)
             self.optimizer.step()
-
-        backbone_loss = self.backbone_step(collected) if cfg.train_backbone else None
-        self.step += 1
-        metrics = self.metrics(collected, losses)
-        if backbone_loss is not None:
-            metrics["loss_backbone"] = backbone_loss
-        return metrics
+        return losses
 
     def backbone_step(self, collected: list) -> float:
         """Token-level PPO (Eq. loss_phi) on this step's rollouts, advantages weighted by the
@@ -315,6 +326,31 @@ class AllocatorTrainer:
             **{k: float(np.mean(column[k])) for k in ("loss_policy", "loss_sim", "loss_con")},
         )
 
+    def step_costs(self, clock: StepClock, rollouts: list) -> dict:
+        """The step's seconds per phase (the slowest process's); its rollouts, their answers' tokens
+        and the caches' hits and misses so far (summed over processes), for `metrics.jsonl`."""
+        phases = ("decode", "features", "allocation", "rollout_build", "rollout_generate", "rewards", "update", "step")
+        frames = getattr(self.engine, "frames", None)
+        answered = sum(r.task_reward.numel() for r in rollouts)
+        tokens = sum(int(r.response_tokens.sum()) for r in rollouts if r.response_tokens is not None)
+        counts = [*self.features.cache.counts(), *(frames.cache.counts() if frames else (0, 0)), answered, tokens]
+        local = torch.tensor(
+            [[clock.seconds.get(p, 0.0) for p in phases] + counts], dtype=torch.float64, device=self.accelerator.device
+        )
+        table = self.accelerator.gather(local).cpu()
+        seconds, counts = table[:, : len(phases)].max(dim=0).values, table[:, len(phases) :].sum(dim=0)
+        return dict(
+            seconds={p: round(float(v), 6) for p, v in zip(phases, seconds)},
+            cache=dict(
+                features_hits=int(counts[0]),
+                features_misses=int(counts[1]),
+                frames_hits=int(counts[2]),
+                frames_misses=int(counts[3]),
+            ),
+            rollouts=int(counts[4]),
+            response_tokens=int(counts[5]),
+        )
+
     # ------------------------------------------------------------------ checkpoints
     def save(self) -> Path:
         folder = self.output_dir / CHECKPOINTS / f"step-{self.step:06d}"
@@ -325,9 +361,9 @@ class AllocatorTrainer:
             budget = self.engine.budget_settings()
             if budget is not None:  # the budget the Allocator was trained under, keyed as model_args
                 write_json(folder / "allocator" / BUDGET_FILE, budget)
-            adapter = getattr(self.engine, "adapter", None)
-            if adapter is not None:  # the backbone it was trained with: evaluation warns when another runs it
-                write_json(folder / "allocator" / BACKBONE_FILE, trained_backbone(adapter))
+            identity = self.engine.backbone_identity()
+            if identity is not None:  # the backbone it was trained with: evaluation warns when another runs it
+                write_json(folder / "allocator" / BACKBONE_FILE, identity)
             # No RNG state: every prompt's randomness is re-derived from (seed, step, index).
             state = dict(step=self.step, optimizer=self.optimizer.state_dict(), config=asdict(self.config))
             if self.config.train_backbone:
