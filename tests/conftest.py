@@ -7,16 +7,25 @@ from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
 
-REPO = Path(__file__).resolve().parents[1]
-FIXTURES = REPO / "fixtures"  # the folder the smoke task reads
+from .helpers import FIXTURES  # noqa: E402
+
+
+def locked_fixtures(out: Path) -> Path:
+    """`ensure_fixtures(out)` under a file lock in `out`: with pytest-xdist several workers start at once,
+    and one writes the fixtures while the others wait, then find them complete."""
+    from filelock import FileLock
+
+    from resadapt_eval.fixtures import ensure_fixtures
+
+    out.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(out / ".write.lock")):
+        return ensure_fixtures(out)
 
 
 @pytest.fixture(scope="session")
 def fixtures_dir() -> Path:
     """The repository's offline fixtures, written by the same code as `resadapt-eval fixtures`."""
-    from resadapt_eval.fixtures import ensure_fixtures
-
-    return ensure_fixtures(FIXTURES)
+    return locked_fixtures(FIXTURES)
 
 
 @pytest.fixture(scope="session")
@@ -24,6 +33,28 @@ def adapters(fixtures_dir):
     from resadapt_eval.backbones.qwen import ADAPTERS
 
     return {name: cls.from_pretrained(str(fixtures_dir / name), dtype="float32") for name, cls in ADAPTERS.items()}
+
+
+@pytest.fixture(scope="module")
+def eager_adapters(fixtures_dir):
+    """The tiny backbones with eager attention: the attention maps the pruning rules are checked against,
+    and the score matmuls FlopCounterMode sees (CPU SDPA it does not). One per module, as each module's
+    hooks and caches are its own."""
+    from resadapt_eval.backbones.qwen import ADAPTERS
+
+    return {
+        name: cls.from_pretrained(str(fixtures_dir / name), dtype="float32", attn_implementation="eager")
+        for name, cls in ADAPTERS.items()
+    }
+
+
+@pytest.fixture(scope="module")
+def text_models(fixtures_dir):
+    """Each tiny backbone's decoder stack in float64 with eager attention and its first prunable layer
+    (`helpers.build_text_models`), for the fidelity tests of stages inside the LLM."""
+    from .helpers import build_text_models
+
+    return build_text_models(fixtures_dir)
 
 
 @pytest.fixture(scope="module")

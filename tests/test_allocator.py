@@ -8,7 +8,6 @@ from torch.distributions import Beta
 
 from resadapt_eval.allocator import (
     Allocator,
-    AllocatorConfig,
     AllocatorPolicy,
     CheckpointError,
     beta_actions,
@@ -19,16 +18,7 @@ from resadapt_eval.budget.plan import QWEN3VL_GRID, QWEN25VL_GRID, base_size, pl
 from resadapt_eval.budget.planner import Planner
 from resadapt_eval.budget.policies import BudgetSpec
 
-
-def tiny_config(**overrides):
-    return AllocatorConfig(
-        **{**dict(encoder="tiny", width=32, num_heads=4, num_layers=2, head_init_std=0.5), **overrides}
-    )
-
-
-def frames(num_frames=8, seed=0, height=48, width=64):
-    rng = np.random.default_rng(seed)
-    return torch.from_numpy(rng.integers(0, 256, (num_frames, height, width, 3), dtype=np.uint8))
+from .helpers import allocator_frames, tiny_allocator_config
 
 
 def scales_of(allocator, video_frames, query, mode="mean"):
@@ -58,32 +48,34 @@ def test_log_density_is_the_sum_of_per_frame_beta_log_densities_by_hand():
 
 
 def test_beta_head_keeps_alpha_beta_above_one_and_clamped():
-    allocator = Allocator(tiny_config(head_init_std=50.0, max_concentration=30.0))
-    alpha, beta = allocator(**allocator.encode([frames()], ["what happens?"]))
+    allocator = Allocator(tiny_allocator_config(head_init_std=50.0, max_concentration=30.0))
+    alpha, beta = allocator(**allocator.encode([allocator_frames()], ["what happens?"]))
     assert (alpha > 1).all() and (beta > 1).all()
     assert alpha.max() <= 30.0 and beta.max() <= 30.0
 
 
 def test_initial_mean_scale_is_one():
-    allocator = Allocator(tiny_config(head_init_std=0.0))
-    s = scales_of(allocator, frames(), "what happens?")
+    allocator = Allocator(tiny_allocator_config(head_init_std=0.0))
+    s = scales_of(allocator, allocator_frames(), "what happens?")
     assert torch.allclose(s, torch.ones_like(s), atol=1e-6)
     # With random head weights the average stays near 1.0 over many inputs.
-    allocator = Allocator(tiny_config(head_init_std=0.02))
-    mean = torch.cat([scales_of(allocator, frames(seed=i), f"question {i}") for i in range(8)]).mean()
+    allocator = Allocator(tiny_allocator_config(head_init_std=0.02))
+    mean = torch.cat([scales_of(allocator, allocator_frames(seed=i), f"question {i}") for i in range(8)]).mean()
     assert mean.item() == pytest.approx(1.0, abs=0.05)
     # Other scale ranges map the initial mean to 1.0 too.
-    cfg = tiny_config(head_init_std=0.0, s_min=0.5, s_max=3.0)
-    assert scales_of(Allocator(cfg), frames(), "q").mean().item() == pytest.approx(1.0, abs=1e-6)
+    cfg = tiny_allocator_config(head_init_std=0.0, s_min=0.5, s_max=3.0)
+    assert scales_of(Allocator(cfg), allocator_frames(), "q").mean().item() == pytest.approx(1.0, abs=1e-6)
 
 
 def test_gradients_reach_only_trainable_parameters():
-    allocator = Allocator(tiny_config())
-    feats = allocator.encode([frames()], ["which colour?"])
+    allocator = Allocator(tiny_allocator_config())
+    feats = allocator.encode([allocator_frames()], ["which colour?"])
     dist = allocator.distribution(**feats)
     a = dist.sample()
     loss = -Allocator.log_prob(dist, a, feats["frame_mask"]).sum()
     loss.backward()
+    names = [name for name, _ in allocator.named_parameters()]
+    assert any(n.startswith("encoders.") for n in names) and any(not n.startswith("encoders.") for n in names)
     for name, p in allocator.named_parameters():
         if name.startswith("encoders."):
             assert not p.requires_grad and p.grad is None, name
@@ -92,8 +84,8 @@ def test_gradients_reach_only_trainable_parameters():
 
 
 def test_changing_only_the_query_changes_the_scales():
-    allocator = Allocator(tiny_config())
-    video = frames()
+    allocator = Allocator(tiny_allocator_config())
+    video = allocator_frames()
     s1 = scales_of(allocator, video, "Which colour is the square?")
     s2 = scales_of(allocator, video, "How many people are dancing at the end?")
     assert (s1 - s2).abs().max() > 1e-4
@@ -101,11 +93,11 @@ def test_changing_only_the_query_changes_the_scales():
 
 
 def test_save_load_gives_identical_scales(tmp_path):
-    allocator = Allocator(tiny_config(seed=3))
+    allocator = Allocator(tiny_allocator_config(seed=3))
     allocator.save_pretrained(tmp_path / "ckpt")
     assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["config.json", "model.safetensors"]
     loaded = Allocator.from_pretrained(tmp_path / "ckpt")
-    video = frames()
+    video = allocator_frames()
     assert torch.equal(scales_of(allocator, video, "q"), scales_of(loaded, video, "q"))
     from safetensors.torch import load_file
 
@@ -113,7 +105,7 @@ def test_save_load_gives_identical_scales(tmp_path):
 
 
 def test_bad_checkpoints_give_clear_errors_naming_the_file(tmp_path):
-    good = Allocator(tiny_config()).save_pretrained(tmp_path / "good")
+    good = Allocator(tiny_allocator_config()).save_pretrained(tmp_path / "good")
     weights, config = good / "model.safetensors", good / "config.json"
 
     corrupt = tmp_path / "corrupt"
@@ -124,13 +116,13 @@ def test_bad_checkpoints_give_clear_errors_naming_the_file(tmp_path):
         Allocator.from_pretrained(corrupt)
 
     wider = tmp_path / "wider"
-    Allocator(tiny_config(width=64)).save_pretrained(wider)
+    Allocator(tiny_allocator_config(width=64)).save_pretrained(wider)
     (wider / "config.json").write_text(config.read_text())  # weights for width 64, config says 32
     with pytest.raises(CheckpointError, match="model.safetensors: .*shape"):
         Allocator.from_pretrained(wider)
 
     missing_key = tmp_path / "missing"
-    Allocator(tiny_config(num_layers=1)).save_pretrained(missing_key)
+    Allocator(tiny_allocator_config(num_layers=1)).save_pretrained(missing_key)
     (missing_key / "config.json").write_text(config.read_text())
     with pytest.raises(CheckpointError, match="missing keys .*layers.1"):
         Allocator.from_pretrained(missing_key)
@@ -196,9 +188,9 @@ def test_projection_rejects_infeasible_targets():
 
 
 def test_policy_scales_are_projected_to_the_target_and_stage_times_recorded():
-    allocator = Allocator(tiny_config())
+    allocator = Allocator(tiny_allocator_config())
     policy = AllocatorPolicy(allocator)
-    video_frames = frames(9, height=240, width=320).numpy()
+    video_frames = allocator_frames(9, height=240, width=320).numpy()
     raw, seconds = policy.raw_scales(video_frames, "what colour?")
     assert raw.shape == (9,)
     assert set(seconds) == {"allocator_text_s", "allocator_visual_s", "allocator_predict_s"}
@@ -216,22 +208,24 @@ def test_policy_scales_are_projected_to_the_target_and_stage_times_recorded():
 
 
 def test_smolvlm_encoders_on_a_tiny_offline_smolvlm(fixtures_dir, tmp_path):
-    config = tiny_config(encoder="smolvlm", encoder_path=str(fixtures_dir / "smolvlm"))
+    config = tiny_allocator_config(encoder="smolvlm", encoder_path=str(fixtures_dir / "smolvlm"))
     allocator = Allocator(config)
     assert allocator.encoders.frame_size == 64 and allocator.encoders.frame_dim == 48
-    s1 = scales_of(allocator, frames(), "Which colour is the square?")
-    s2 = scales_of(allocator, frames(), "How many dancers?")
+    s1 = scales_of(allocator, allocator_frames(), "Which colour is the square?")
+    s2 = scales_of(allocator, allocator_frames(), "How many dancers?")
     assert s1.shape == (8,) and (s1 - s2).abs().max() > 1e-5
     allocator.save_pretrained(tmp_path / "smol")
     assert json.loads((tmp_path / "smol" / "config.json").read_text())["encoder_path"] == str(fixtures_dir / "smolvlm")
-    assert torch.equal(scales_of(Allocator.from_pretrained(tmp_path / "smol"), frames(), "How many dancers?"), s2)
+    assert torch.equal(
+        scales_of(Allocator.from_pretrained(tmp_path / "smol"), allocator_frames(), "How many dancers?"), s2
+    )
 
 
 def test_minilm_effnet_encoders_load_offline_and_embed():
     from resadapt_eval.allocator import build_encoders
 
     enc = build_encoders("minilm-effnet")
-    f = enc.encode_frames(frames(4, height=120, width=160))
+    f = enc.encode_frames(allocator_frames(4, height=120, width=160))
     assert f.shape == (4, 1280) and torch.isfinite(f).all()
     t, mask = enc.encode_text(["a red square", "how many people dance in the last scene?"])
     assert t.shape[0] == 2 and t.shape[2] == 384 and mask.sum(1).tolist()[0] < mask.sum(1).tolist()[1]
@@ -249,8 +243,8 @@ def test_logit_normal_policy_for_the_n_capo_ablation(tmp_path):
     q = logit_normal_actions(mu, sigma, "quantile", quantile=0.841344746)
     assert torch.allclose(q, torch.sigmoid(mu + sigma), atol=1e-5)
     # log q(a) = log N(logit a; mu, sigma) - log(a (1 - a)), summed over frames.
-    allocator = Allocator(tiny_config(policy="logit_normal", head_init_std=0.0))
-    feats = allocator.encode([frames(4)], ["q"])
+    allocator = Allocator(tiny_allocator_config(policy="logit_normal", head_init_std=0.0))
+    feats = allocator.encode([allocator_frames(4)], ["q"])
     dist = allocator.distribution(**feats)
     a = torch.tensor([[0.2, 0.5, 0.7, 0.9]])
     mu0, sigma0 = allocator(**feats)
@@ -262,11 +256,12 @@ def test_logit_normal_policy_for_the_n_capo_ablation(tmp_path):
         by_hand.item(), rel=1e-5
     )
     # Initialised at mean scale 1.0, sigma = init_sigma; saves and loads like the Beta head.
-    assert torch.allclose(scales_of(allocator, frames(4), "q"), torch.ones(4), atol=1e-5)
+    assert torch.allclose(scales_of(allocator, allocator_frames(4), "q"), torch.ones(4), atol=1e-5)
     assert torch.allclose(sigma0, torch.full_like(sigma0, 0.5), atol=1e-5)
     allocator.save_pretrained(tmp_path / "n")
     assert torch.equal(
-        scales_of(Allocator.from_pretrained(tmp_path / "n"), frames(4), "q"), scales_of(allocator, frames(4), "q")
+        scales_of(Allocator.from_pretrained(tmp_path / "n"), allocator_frames(4), "q"),
+        scales_of(allocator, allocator_frames(4), "q"),
     )
 
 
@@ -286,7 +281,7 @@ def test_logit_normal_mean_is_the_mean_not_the_median():
     mu = torch.tensor([m for m, _ in cases], dtype=torch.float64)
     sigma = torch.tensor([s for _, s in cases], dtype=torch.float64)
     mean = logit_normal_actions(mu, sigma, "mean")
-    for got, (m, s) in zip(mean.tolist(), cases):
+    for got, (m, s) in zip(mean.tolist(), cases, strict=True):
         assert got == pytest.approx(by_quad(m, s), abs=1e-6)
     # A second, independent check: 1e6 samples; the Monte Carlo standard error is below 5e-4 here.
     z = torch.randn(1_000_000, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
@@ -302,23 +297,23 @@ def test_logit_normal_mean_is_the_mean_not_the_median():
     logit_normal_actions(mu32, torch.tensor([2.0, 0.7]), "mean").sum().backward()
     assert mu32.grad is not None and (mu32.grad > 0).all()
     # The head's initial mu makes the mean (not the median) land on scale 1.0 for an asymmetric range.
-    config = tiny_config(policy="logit_normal", head_init_std=0.0, s_min=0.2, s_max=1.4)
+    config = tiny_allocator_config(policy="logit_normal", head_init_std=0.0, s_min=0.2, s_max=1.4)
     allocator = Allocator(config)
-    scales = scales_of(allocator, frames(4), "q")
+    scales = scales_of(allocator, allocator_frames(4), "q")
     assert torch.allclose(scales, torch.ones(4), atol=1e-5)
-    assert not torch.allclose(scales_of(allocator, frames(4), "q", mode="median"), torch.ones(4), atol=1e-3)
+    assert not torch.allclose(scales_of(allocator, allocator_frames(4), "q", mode="median"), torch.ones(4), atol=1e-3)
     mu0 = logit_normal_mu_for_mean(config.initial_mean, config.init_sigma)
     assert by_quad(mu0, config.init_sigma) == pytest.approx(config.initial_mean, abs=1e-9)
 
 
 def test_frame_norm_layer_normalises_the_frozen_features_before_the_projection():
-    allocator = Allocator(tiny_config(frame_norm=True))
-    plain = Allocator(tiny_config(frame_norm=False))  # same seed, same weights: frame_norm adds none
+    allocator = Allocator(tiny_allocator_config(frame_norm=True))
+    plain = Allocator(tiny_allocator_config(frame_norm=False))  # same seed, same weights: frame_norm adds none
     assert set(allocator.trainable_state_dict()) == set(plain.trainable_state_dict())
-    feats = allocator.encode([frames()], ["q"])
+    feats = allocator.encode([allocator_frames()], ["q"])
     raw = feats["frame_features"]  # (1, T, 32)
     normalised = (raw - raw.mean(-1, keepdim=True)) / torch.sqrt(raw.var(-1, unbiased=False, keepdim=True) + 1e-5)
-    for a, b in zip(allocator(**feats), plain(**dict(feats, frame_features=normalised))):
+    for a, b in zip(allocator(**feats), plain(**dict(feats, frame_features=normalised)), strict=True):
         assert torch.allclose(a, b, atol=1e-5)
     # a per-frame affine change of the features barely moves the normalised policy, but moves the plain one
     shifted = dict(feats, frame_features=raw * 7.0 + 3.0)
@@ -329,10 +324,10 @@ def test_frame_norm_layer_normalises_the_frozen_features_before_the_projection()
 def test_text_positions_make_the_policy_read_the_query_s_token_order():
     """The tiny text encoder is a bag of byte embeddings: "red" and "der" look alike without
     `text_positions`, and differ with it."""
-    ordered = Allocator(tiny_config(text_positions=True, head_init_std=1.0))
-    bag = Allocator(tiny_config(text_positions=False, head_init_std=1.0))
+    ordered = Allocator(tiny_allocator_config(text_positions=True, head_init_std=1.0))
+    bag = Allocator(tiny_allocator_config(text_positions=False, head_init_std=1.0))
     assert set(ordered.trainable_state_dict()) == set(bag.trainable_state_dict())  # no new weights
-    video = frames()
+    video = allocator_frames()
     for allocator, differs in ((ordered, True), (bag, False)):
         a = allocator(**allocator.encode([video], ["the red border"]))[0]
         b = allocator(**allocator.encode([video], ["the der border"]))[0]

@@ -1,29 +1,13 @@
 """Per-pair inputs against the stock single-video path of transformers, on the tiny fp32 models."""
 
-import numpy as np
 import pytest
 import torch
 from transformers.video_utils import VideoMetadata
 
 from resadapt_eval.backbones.layout import VIDEO_TOKEN_TYPE, resize_frames
 from resadapt_eval.budget.plan import plan_from_scales
-from resadapt_eval.video import DecodedVideo
 
-BACKBONES = ["qwen25vl", "qwen3vl"]
-
-
-def chat_prompt(adapter, question="Which colour is the square?"):
-    messages = [
-        {"role": "user", "content": [{"type": "video", "video": "clip.mp4"}, {"type": "text", "text": question}]}
-    ]
-    return adapter.processor.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-
-
-def synthetic_video(num_frames, height=120, width=160, seed=0):
-    rng = np.random.default_rng(seed)
-    frames = rng.integers(0, 256, (num_frames, height, width, 3), dtype=np.uint8)
-    indices = list(range(0, 3 * num_frames, 3))
-    return DecodedVideo(frames=frames, indices=indices, total_frames=3 * num_frames + 1, fps=6.0)
+from .helpers import BACKBONES, chat_prompt, first_logits_and_text, synthetic_video, video_position_blocks
 
 
 def stock_inputs(adapter, prompt, video, base_hw):
@@ -41,20 +25,6 @@ def stock_inputs(adapter, prompt, video, base_hw):
         return_tensors="pt",
     )
     return dict(inputs)
-
-
-@torch.inference_mode()
-def first_logits_and_text(adapter, inputs, steps=4):
-    adapter.model.model.rope_deltas = None
-    out = adapter.model.generate(
-        **inputs,
-        max_new_tokens=steps,
-        do_sample=False,
-        output_logits=True,
-        return_dict_in_generate=True,
-        pad_token_id=adapter.tokenizer.pad_token_id,
-    )
-    return out.logits[0][0], out.sequences[0, inputs["input_ids"].shape[1] :]
 
 
 @pytest.mark.parametrize("backbone", BACKBONES)
@@ -88,13 +58,6 @@ def test_equal_sizes_match_the_stock_single_video_path(adapters, backbone, num_f
     assert (shifted_logits - stock_logits).abs().max().item() > 1e-4
 
 
-def video_position_blocks(positions, mm_token_type_ids, grids):
-    """Split the (3, L) positions of the video tokens into one (3, h*w) block per pair."""
-    video = positions[:, mm_token_type_ids[0] == VIDEO_TOKEN_TYPE]
-    sizes = [t * h * w for t, h, w in grids]
-    return list(torch.split(video, sizes, dim=1))
-
-
 def test_qwen25vl_mixed_sizes_keep_each_pairs_time_and_own_grid(adapters):
     adapter = adapters["qwen25vl"]
     prompt = chat_prompt(adapter)
@@ -115,7 +78,7 @@ def test_qwen25vl_mixed_sizes_keep_each_pairs_time_and_own_grid(adapters):
     ours = adapter.build_inputs(prompt, video, plan)
     blocks = video_position_blocks(ours["position_ids"][:, 0], ours["mm_token_type_ids"], plan.grids)
     start = int(torch.nonzero(ours["mm_token_type_ids"][0] == VIDEO_TOKEN_TYPE)[0])
-    for k, ((_, h, w), block, stock_block) in enumerate(zip(plan.grids, blocks, stock_blocks)):
+    for k, ((_, h, w), block, stock_block) in enumerate(zip(plan.grids, blocks, stock_blocks, strict=True)):
         assert set(block[0].tolist()) == {int(stock_block[0, 0])}, f"pair {k} time differs from the stock path"
         assert sorted(set(block[1].tolist())) == list(range(start, start + h))
         assert sorted(set(block[2].tolist())) == list(range(start, start + w))
@@ -148,7 +111,7 @@ def test_qwen3vl_mixed_sizes_keep_each_pairs_timestamp_and_own_grid(adapters):
         ours["input_ids"], ours["mm_token_type_ids"], video_grid_thw=ours["video_grid_thw"]
     )
     blocks = video_position_blocks(positions[:, 0], ours["mm_token_type_ids"], plan.grids)
-    for (_, h, w), block in zip(plan.grids, blocks):
+    for (_, h, w), block in zip(plan.grids, blocks, strict=True):
         t0 = int(block[0, 0])
         assert set(block[0].tolist()) == {t0}
         assert sorted(set(block[1].tolist())) == list(range(t0, t0 + h))

@@ -3,7 +3,6 @@
 import math
 from fractions import Fraction
 
-import numpy as np
 import pytest
 import torch
 
@@ -11,33 +10,16 @@ from resadapt_eval.backbones.layout import VIDEO_TOKEN_TYPE
 from resadapt_eval.backbones.vision_attention import last_block_input
 from resadapt_eval.baselines import VisualTokens, kept_count
 from resadapt_eval.baselines.common import per_pair_budget
-from resadapt_eval.budget.plan import plan_from_scales
 from resadapt_eval.methods import AFTER_MERGER
 from resadapt_eval.methods import METHODS as REGISTRY
-from resadapt_eval.video import DecodedVideo
 
-from .test_backbones import chat_prompt, first_logits_and_text
+from .helpers import BACKBONES, first_logits_and_text, vanilla_setup
 
-BACKBONES = ["qwen25vl", "qwen3vl"]
 METHODS = sorted(name for name, m in REGISTRY.items() if m.stage == AFTER_MERGER)
 
 
-def video(num_frames=8, seed=0):
-    rng = np.random.default_rng(seed)
-    frames = rng.integers(0, 256, (num_frames, 120, 160, 3), dtype=np.uint8)
-    # Slow drift between frames, so neighbouring pairs are similar (FlashVid segments and merges).
-    frames[1:] = (0.7 * frames[:1] + 0.3 * frames[1:]).astype(np.uint8)
-    return DecodedVideo(frames=frames, indices=list(range(num_frames)), total_frames=num_frames, fps=2.0)
-
-
-def setup(adapter, num_frames=8):
-    px = adapter.grid.token_px
-    plan = plan_from_scales([1.0] * num_frames, (4 * px, 6 * px), adapter.grid)
-    return chat_prompt(adapter), video(num_frames), plan
-
-
 def compressed(adapter, method, retention, seed=0, num_frames=8):
-    prompt, v, plan = setup(adapter, num_frames)
+    prompt, v, plan = vanilla_setup(adapter, num_frames)
     inputs, sizes = adapter.build_compressed_inputs(
         prompt,
         v,
@@ -145,7 +127,7 @@ def test_qwen25vl_window_order_is_undone(adapters):
     """The merger applied to the last block's output (window order), re-indexed with
     `unit_order`, is exactly the vision tower's merged output (LLM order)."""
     adapter = adapters["qwen25vl"]
-    prompt, v, plan = setup(adapter)
+    prompt, v, plan = vanilla_setup(adapter)
     full = adapter.build_inputs(prompt, v, plan)
     captured = {}
     hook = adapter.model.model.visual.blocks[-1].register_forward_hook(lambda m, a, out: captured.update(out=out))
@@ -165,7 +147,7 @@ def test_qwen25vl_window_order_is_undone(adapters):
 @pytest.mark.parametrize("backbone", BACKBONES)
 def test_received_attention_is_a_distribution_per_attention_segment(adapters, backbone):
     adapter = adapters[backbone]
-    prompt, v, plan = setup(adapter)
+    prompt, v, plan = vanilla_setup(adapter)
     full = adapter.build_inputs(prompt, v, plan)
     with torch.no_grad():
         with last_block_input(adapter.model) as captured:

@@ -177,7 +177,7 @@ def test_sweep_model_args_that_would_stop_a_cell_stop_the_sweep_before_any_cell(
 ):
     from resadapt_eval.cli import main
 
-    from .conftest import REPO
+    from .helpers import REPO
 
     out = tmp_path / "sweep"
     argv = ["sweep", "--card", str(REPO / "model_cards" / "tiny-qwen25vl.yaml"), "--output", str(out)]
@@ -192,7 +192,7 @@ def test_sweep_model_args_that_would_stop_a_cell_stop_the_sweep_before_any_cell(
 def test_a_sweep_retention_that_is_not_a_number_stops_naming_the_option(fixtures_dir, tmp_path, capsys):
     from resadapt_eval.cli import main
 
-    from .conftest import REPO
+    from .helpers import REPO
 
     argv = ["sweep", "--card", str(REPO / "model_cards" / "tiny-qwen25vl.yaml"), "--output", str(tmp_path / "s")]
     assert main([*argv, "--methods", "fixed_scale", "--retention", "0.25,abc"]) == 2
@@ -203,7 +203,7 @@ def test_the_sweep_checks_each_cell_with_its_own_model_class(fixtures_dir):
     """A setting one method of the grid refuses stops the sweep at start, naming that cell."""
     from resadapt_eval.sweep import check_cells, load_card, plan_cells, with_model_args
 
-    from .conftest import REPO
+    from .helpers import REPO
 
     card = with_model_args(load_card(REPO / "model_cards" / "tiny-qwen25vl.yaml"), "prune_layers=2;4")
     cells = plan_cells(["fastv"], [0.5], [8])
@@ -422,9 +422,9 @@ def test_a_checkpoint_trained_on_another_backbone_is_warned_about(fixtures_dir, 
 def test_the_trainer_records_the_backbone_beside_the_checkpoint(fixtures_dir, tmp_path):
     from resadapt_eval.train.config import build_trainer
 
-    from .test_train import tiny_config
+    from .helpers import tiny_train_config
 
-    trainer = build_trainer(tiny_config(tmp_path, fixtures_dir), steps=1)
+    trainer = build_trainer(tiny_train_config(tmp_path, fixtures_dir), steps=1)
     trainer.train(progress=False)
     saved = tmp_path / "run" / "checkpoints" / "step-000001" / "allocator" / "backbone.json"
     assert json.loads(saved.read_text()) == dict(family="qwen25vl", pretrained=str(fixtures_dir / "qwen25vl"))

@@ -15,11 +15,7 @@ from resadapt_eval.compute.flops import decode_flops, dims_from_config
 from resadapt_eval.methods import METHODS
 from resadapt_eval.pipeline import VideoPipeline, VideoPipelineConfig
 
-from .test_backbones import chat_prompt, synthetic_video
-from .test_flops import video_request
-from .test_inside_llm import eager_adapters  # noqa: F401  (fixture)
-
-BACKBONES = ["qwen25vl", "qwen3vl"]
+from .helpers import BACKBONES, chat_prompt, synthetic_video, video_request
 
 
 def test_dycoke_decoding_stage_by_hand():
@@ -45,7 +41,7 @@ def generate(adapter, inputs, pruner, steps=4):
 
 
 @pytest.mark.parametrize("backbone", BACKBONES)
-def test_the_first_steps_selection_is_the_eager_maps_top_k(eager_adapters, backbone):  # noqa: F811
+def test_the_first_steps_selection_is_the_eager_maps_top_k(eager_adapters, backbone):
     """The reference rule: at the first decoding step, the visual tokens the current token attends
     to most in layer K - 1 (mean over heads, over every key) are the ones layers K on attend to."""
     adapter = eager_adapters[backbone]
@@ -73,7 +69,7 @@ def test_the_first_steps_selection_is_the_eager_maps_top_k(eager_adapters, backb
 @pytest.mark.parametrize("backbone", BACKBONES)
 def test_a_stage_keeping_every_token_equals_vanilla_and_a_mask_changes_nothing(
     adapters,
-    eager_adapters,  # noqa: F811
+    eager_adapters,
     backbone,
 ):
     inputs, visual = video_inputs(adapters[backbone])

@@ -420,10 +420,10 @@ def test_a_decoding_step_selects_the_visual_keys_on_the_llm_s_device(tiny_models
 def test_the_allocator_scores_frames_on_its_device(policy, modes, encoder):
     from resadapt_eval.allocator import Allocator
 
-    from .test_allocator import frames, tiny_config
+    from .helpers import allocator_frames, tiny_allocator_config
 
-    allocator = Allocator(tiny_config(policy=policy, encoder=encoder))
-    video = frames(6)
+    allocator = Allocator(tiny_allocator_config(policy=policy, encoder=encoder))
+    video = allocator_frames(6)
     with fake_cuda():
         allocator = allocator.to("cuda")
         inputs = allocator.encode([video, video[:4]], ["where is the red ball?", "count"])
@@ -481,4 +481,4 @@ def test_the_compressors_device_side_kernels_stay_on_the_features_device(name, k
     with fake_cuda():
         feats = torch.nn.functional.normalize(torch.randn(64, 8, device="cuda"), dim=-1)
         outputs = kernel(feats, torch.rand(64, device="cuda"))
-    assert all(isinstance(t, FakeTensor) and t.device == device for t in outputs)
+    assert len(outputs) > 0 and all(isinstance(t, FakeTensor) and t.device == device for t in outputs)

@@ -39,7 +39,7 @@ from resadapt_eval.methods import IN_ENGINE, METHODS, NO_RETENTION
 from resadapt_eval.pipeline import Request, VideoPipeline, VideoPipelineConfig
 from resadapt_eval.record import SampleRecord
 
-from .test_backbones import chat_prompt, synthetic_video
+from .helpers import chat_prompt, synthetic_video
 
 BACKBONES = ["qwen25vl", "qwen3vl"]
 DTYPES = ["float32", "bfloat16"]
@@ -170,6 +170,7 @@ def test_plans_visual_tokens_and_r_are_the_same_in_all_four_variants(runs, name,
         return (r.scales, r.pair_sizes, r.grids, r.visual_tokens, r.reference_tokens, r.achieved_retention,
                 r.layer_visual_tokens, r.layer_averaged_tokens, merged)  # fmt: skip
 
+    assert list(out) == VARIANTS
     for variant, run in out.items():
         record = run.record
         assert record.error is None and record.output_tokens > 0, variant
@@ -179,6 +180,7 @@ def test_plans_visual_tokens_and_r_are_the_same_in_all_four_variants(runs, name,
             (compression,) = run.compressions
             assert len(compression.kept) == record.visual_tokens == len(record.merged_sizes), variant
         if isinstance(run.pruner, LayerPruner):
+            assert visual_kept(run.pruner), variant  # a stage ran
             for layer, kept in visual_kept(run.pruner).items():
                 assert len(kept) == record.layer_visual_tokens[layer], (variant, layer)
         if isinstance(run.pruner, DecodePruner):

@@ -25,7 +25,7 @@ from resadapt_eval.baselines import holitom
 from resadapt_eval.baselines.common import DROPPED, VisualTokens, merge_groups
 from resadapt_eval.baselines.inside_llm import LAST_TOKEN, Stage
 
-from .test_fidelity_prunevid import BACKBONES, build_text_models, plain_run, pruned_run, random_prompt, random_video
+from .helpers import BACKBONES, plain_run, pruned_run, random_prompt, scene_tokens
 
 K, MAX_WINDOW, BETA = 7, 1024, 0.6  # llava_arch.py :354-355, :352
 # eval_ov-7b_holitom.sh: RETAIN_RATIO -> T (:2, :12, :22, :32; the same without inner merging, :44-74)
@@ -226,7 +226,7 @@ SETTINGS = {
 
 
 def video(g: torch.Generator, grids, ties: bool) -> VisualTokens:
-    tokens = random_video(g, grids, ties)
+    tokens = scene_tokens(g, grids, ties)
     attention = torch.rand(tokens.features.shape[0], generator=g, dtype=torch.float64)
     if ties:  # coarse attention: many equal values within a pair
         attention = (attention * 4).round() / 4
@@ -280,11 +280,6 @@ def test_fidelity_holitom_tau_follows_the_scripts():
 
 
 # ---- the inner-LLM merge ----
-
-
-@pytest.fixture(scope="module")
-def text_models(fixtures_dir):
-    return build_text_models(fixtures_dir)
 
 
 def test_fidelity_holitom_inner_stage_schedule():

@@ -27,7 +27,7 @@ from resadapt_eval.baselines import fastv, pyramiddrop
 from resadapt_eval.baselines.inside_llm import LAST_TOKEN, STAGE_INPUT, LayerPruner, layer_average
 from resadapt_eval.budget.plan import plan_from_scales
 
-from .test_backbones import chat_prompt, synthetic_video
+from .helpers import chat_prompt, synthetic_video
 
 BACKBONES = ["qwen25vl", "qwen3vl"]
 
@@ -218,6 +218,7 @@ def test_fidelity_pyramiddrop_in_a_real_forward(adapters, backbone):
     visual = torch.nonzero(inputs["mm_token_type_ids"][0] == VIDEO_TOKEN_TYPE).flatten()
     language_model = adapter.model.model.language_model
     stages = pyramiddrop.stages(12, len(visual), 0.5, layers=[2, 5, 8], first_layer=adapter.first_prunable_layer)
+    assert [s.layer for s in stages] == [2, 5, 8]
     pruner = LayerPruner(language_model, stages, visual)
     entering = {}
 

@@ -20,8 +20,10 @@ import torch
 import torch.nn.functional as F
 
 from resadapt_eval.baselines import prunevid
-from resadapt_eval.baselines.common import VisualTokens, merge_groups, per_pair_budget
-from resadapt_eval.baselines.inside_llm import TEXT_AFTER_VISUAL, LayerPruner, Stage
+from resadapt_eval.baselines.common import merge_groups, per_pair_budget
+from resadapt_eval.baselines.inside_llm import TEXT_AFTER_VISUAL, Stage
+
+from .helpers import BACKBONES, plain_run, pruned_run, random_prompt, scene_tokens
 
 TAU, SEGMENT_RATIO, KNN, ALPHA = 0.8, 0.25, 7, 0.4  # scripts/eval.sh :10-11, modeling_pllava.py :768, :797, :808
 CASES = 24  # random cases per setting
@@ -184,33 +186,6 @@ def ref_prunevid(features: torch.Tensor, sizes: list[int], grids: list[tuple], k
     return assignment, merged
 
 
-# ---- random videos ----
-
-
-def random_video(g: torch.Generator, grids: list[tuple], ties: bool = False, dim: int = 12) -> VisualTokens:
-    """Scenes of static backgrounds: each position has a base vector and a noise level (low: static, high:
-    dynamic), a new scene redraws them; with `ties`, a position repeats its neighbour's token and some pairs repeat
-    the one before (letterboxes, frozen frames), so DPC-KNN meets equal densities and distances."""
-    sizes = [t * h * w for t, h, w in grids]
-    width = max(sizes)
-    feats, base, level = [], None, None
-    for p, n in enumerate(sizes):
-        if base is None or torch.rand((), generator=g) < 0.3:
-            base = torch.randn(width, dim, generator=g, dtype=torch.float64)
-            level = torch.where(
-                torch.rand(width, generator=g) < 0.5,
-                0.05 + 0.3 * torch.rand(width, generator=g),
-                0.8 + 2 * torch.rand(width, generator=g),
-            ).double()
-        frame = base[:n] + level[:n, None] * torch.randn(n, dim, generator=g, dtype=torch.float64)
-        if ties:
-            frame[1:n:3] = frame[0 : n - 1 : 3][: len(frame[1:n:3])]
-            if p > 0 and sizes[p - 1] == n and torch.rand((), generator=g) < 0.3:  # a nearly frozen frame
-                frame = feats[-1] + 0.05 * torch.randn(n, dim, generator=g, dtype=torch.float64)
-        feats.append(frame)
-    return VisualTokens(torch.cat(feats), sizes, list(grids))
-
-
 SETTINGS = {
     "8 pairs x 6 (even)": [(1, 2, 3)] * 8,
     "6 pairs x 9 (odd)": [(1, 3, 3)] * 6,
@@ -233,7 +208,7 @@ def test_fidelity_prunevid_vision_side_matches_the_reference(setting, ties):
     g = torch.Generator().manual_seed(2 * list(SETTINGS).index(setting) + ties)
     total = sum(t * h * w for t, h, w in grids)
     for keep in budgets(g, len(grids), total):
-        tokens = random_video(g, grids, ties)
+        tokens = scene_tokens(g, grids, ties)
         expected, expected_features = ref_prunevid(tokens.features, tokens.pair_sizes, tokens.grids, keep)
         ours = prunevid.compress(tokens, keep)
         assert ours.assignment.tolist() == expected, (setting, keep)
@@ -251,7 +226,7 @@ def test_fidelity_prunevid_temporal_segments_with_frozen_frames():
     for case in range(2 * CASES):
         num_pairs = int(torch.randint(1, 17, (), generator=g))
         grids = [(1, 2, 3) if case % 3 or p < num_pairs // 2 else (1, 3, 3) for p in range(num_pairs)]
-        tokens = random_video(g, grids)
+        tokens = scene_tokens(g, grids)
         sizes, starts = tokens.pair_sizes, tokens.pair_starts
         for p in range(1, num_pairs):
             if sizes[p] == sizes[p - 1] and torch.rand((), generator=g) < 0.4:
@@ -277,85 +252,6 @@ def test_fidelity_prunevid_refinement_and_dpc_knn_on_their_own():
 
 
 # ---- the stage inside the LLM ----
-
-BACKBONES = ["qwen25vl", "qwen3vl"]
-
-
-def build_text_models(fixtures_dir) -> dict:
-    """Each tiny backbone's decoder stack with random float64 weights and eager attention (the reference reads the
-    eager attention map), with the first layer a stage may start at."""
-    from transformers import AutoConfig
-    from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VLTextModel
-    from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLTextModel
-
-    models = {}
-    for name, cls in (("qwen25vl", Qwen2_5_VLTextModel), ("qwen3vl", Qwen3VLTextModel)):
-        config = AutoConfig.from_pretrained(str(fixtures_dir / name))
-        text = config.text_config
-        text._attn_implementation = "eager"
-        torch.manual_seed(0)
-        first = len(getattr(config.vision_config, "deepstack_visual_indexes", None) or ())
-        models[name] = (cls(text).double().eval(), first)
-    return models
-
-
-@pytest.fixture(scope="module")
-def text_models(fixtures_dir):
-    return build_text_models(fixtures_dir)
-
-
-class Reached(Exception):
-    """Stops a forward at the layer under test (the later layers do not matter)."""
-
-
-def plain_run(model, embeds: torch.Tensor, layer: int):
-    """The unpruned forward: the eager attention map of layer `layer - 1` (1, H, L, L) and the hidden states
-    entering layer `layer` (1, L, D), what the reference's stage reads."""
-    seen = {}
-
-    def attention(module, args, output):
-        seen["attention"] = output[1]
-
-    def reached(module, args, kwargs):
-        seen["hidden"] = (args[0] if args else kwargs["hidden_states"]).clone()
-        raise Reached
-
-    handles = [
-        model.layers[layer - 1].self_attn.register_forward_hook(attention),
-        model.layers[layer].register_forward_pre_hook(reached, with_kwargs=True),
-    ]
-    try:
-        with torch.no_grad(), pytest.raises(Reached):
-            model(inputs_embeds=embeds)
-    finally:
-        for handle in handles:
-            handle.remove()
-    return seen["attention"], seen["hidden"]
-
-
-def pruned_run(model, embeds: torch.Tensor, stage: Stage, visual: torch.Tensor):
-    """Our `LayerPruner` on the same input: the prompt indices layer `stage.layer` sees and its input hidden states."""
-    pruner, seen = LayerPruner(model, [stage], visual), {}
-
-    def reached(module, args, kwargs):
-        seen["hidden"] = (args[0] if args else kwargs["hidden_states"]).clone()
-        raise Reached
-
-    with torch.no_grad(), pruner.attached():  # registered after the pruner's hook: sees its output
-        handle = model.layers[stage.layer].register_forward_pre_hook(reached, with_kwargs=True)
-        try:
-            with pytest.raises(Reached):
-                model(inputs_embeds=embeds)
-        finally:
-            handle.remove()
-    return pruner.kept_by_layer[stage.layer], seen["hidden"]
-
-
-def random_prompt(g: torch.Generator, width: int, visual: int):
-    """(1, L, width) random embeddings: a few text tokens, `visual` visual tokens, then the question's tokens."""
-    before, after = int(torch.randint(1, 5, (), generator=g)), int(torch.randint(2, 7, (), generator=g))
-    embeds = torch.randn(1, before + visual + after, width, generator=g, dtype=torch.float64)
-    return embeds, torch.arange(before, before + visual)
 
 
 def test_fidelity_prunevid_stage_schedule():

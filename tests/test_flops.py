@@ -6,36 +6,18 @@ import torch
 from transformers.vision_utils import get_vision_window_index
 
 from resadapt_eval.allocator.model import Allocator, AllocatorConfig
-from resadapt_eval.backbones.qwen import ADAPTERS
 from resadapt_eval.budget.policies import BudgetSpec
 from resadapt_eval.cli import main
 from resadapt_eval.compute.counting import flop_counter
 from resadapt_eval.compute.flops import dims_from_config, load_dims, method_flops, ranking_flops, row_flops, segments
 from resadapt_eval.manifest import run_summary, sample_totals
 from resadapt_eval.methods import BEFORE_ENCODER, METHODS, get_method
-from resadapt_eval.pipeline import Request, VideoPipeline, VideoPipelineConfig
+from resadapt_eval.pipeline import VideoPipeline, VideoPipelineConfig
+
+from .helpers import video_request
 
 PAPER_TFLOPS = {16: 111.4, 32: 222.5, 64: 444.6, 128: 888.9}  # latency table, Qwen2.5-VL-7B vanilla
 SOURCE_HW = (672, 896)  # a 4:3 896x672 source: 768 tokens per pair
-
-
-@pytest.fixture(scope="module")
-def eager_adapters(fixtures_dir):
-    """The tiny backbones with eager attention, whose score matmuls FlopCounterMode sees (CPU SDPA it does not)."""
-    return {
-        name: cls.from_pretrained(str(fixtures_dir / name), dtype="float32", attn_implementation="eager")
-        for name, cls in ADAPTERS.items()
-    }
-
-
-def video_request(adapter, fixtures_dir) -> Request:
-    prompt = adapter.processor.apply_chat_template(
-        [{"role": "user", "content": [{"type": "video"}, {"type": "text", "text": "Colour?"}]}],
-        tokenize=False,
-        add_generation_prompt=True,
-    )
-    video = str(sorted((fixtures_dir / "smoke_videoqa" / "videos").glob("*.mp4"))[0])
-    return Request(prompt, video=video, gen_kwargs=dict(max_new_tokens=4))
 
 
 COUNTED = [

@@ -31,8 +31,10 @@ def test_chunked_frame_features_equal_one_batch(name):
     enc = build_encoders(name)
     video = frames(20)
     one_batch = enc.encode_frames(video, chunk_size=20)
+    # float32 rounding only: EfficientNet's convolutions may take another kernel for another batch size
+    # (on one torch thread up to 5e-6 on features of size ~5; a chunking bug moves them by O(1))
     for chunk_size in (1, 7, 16):
-        torch.testing.assert_close(enc.encode_frames(video, chunk_size=chunk_size), one_batch, rtol=0, atol=1e-6)
+        torch.testing.assert_close(enc.encode_frames(video, chunk_size=chunk_size), one_batch, rtol=1e-5, atol=1e-5)
 
 
 def test_only_one_chunk_is_converted_to_float_at_full_resolution(monkeypatch):

@@ -5,7 +5,7 @@ import importlib.util
 import json
 import sys
 
-from .conftest import FIXTURES, REPO
+from .helpers import FIXTURES, REPO
 
 
 def gpu_check():

@@ -191,7 +191,7 @@ def test_budget_exact_one_per_pair_identity(sizes, grids):
         assert len(destinations) == keep
         assert torch.equal(out[destinations], destinations)
         starts = tokens.pair_starts
-        for s, n in zip(starts, sizes):
+        for s, n in zip(starts, sizes, strict=True):
             assert ((destinations >= s) & (destinations < s + n)).any()
         assert torch.equal(out, holitom.compress(tokens, keep).assignment)
     assert torch.equal(holitom.compress(tokens, total).assignment, torch.arange(total))

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from resadapt_eval.backbones.layout import VIDEO_TOKEN_TYPE
-from resadapt_eval.backbones.qwen import ADAPTERS, PrunedInputs
+from resadapt_eval.backbones.qwen import PrunedInputs
 from resadapt_eval.baselines import fastv, pyramiddrop
 from resadapt_eval.baselines.inside_llm import LayerPruner, Stage, last_token_attention, layer_average, layer_counts
 from resadapt_eval.budget.plan import InfeasibleBudget, plan_from_scales
@@ -16,19 +16,9 @@ from resadapt_eval.budget.policies import BudgetSpec
 from resadapt_eval.methods import METHODS
 from resadapt_eval.pipeline import VideoPipeline, VideoPipelineConfig
 
-from .test_backbones import chat_prompt, first_logits_and_text, synthetic_video
-from .test_flops import video_request
+from .helpers import BACKBONES, attention_input, chat_prompt, first_logits_and_text, synthetic_video, video_request
 
-BACKBONES = ["qwen25vl", "qwen3vl"]
 PRUNERS = {"fastv": "1", "pyramiddrop": "1,2,3"}  # stage layers low enough for R=0.1 on 12 layers
-
-
-@pytest.fixture(scope="module")
-def eager_adapters(fixtures_dir):
-    return {
-        name: cls.from_pretrained(str(fixtures_dir / name), dtype="float32", attn_implementation="eager")
-        for name, cls in ADAPTERS.items()
-    }
 
 
 def test_fastv_keep_count_by_hand():
@@ -57,24 +47,6 @@ def test_pyramiddrop_lambda_by_hand():
     assert layer_average(stages, 32, 1000) == 0.5
     with pytest.raises(InfeasibleBudget, match="0.25"):  # its first quarter sees every token
         pyramiddrop.stages(32, 1000, 0.25)
-
-
-def attention_input(adapter, inputs, layer: int):
-    """(hidden states, (cos, sin)) entering decoder layer `layer`'s attention in a plain forward of `inputs`."""
-    captured = {}
-
-    def capture(module, args, kwargs):
-        captured["in"] = (kwargs["hidden_states"], kwargs["position_embeddings"])
-
-    attention = adapter.model.model.language_model.layers[layer].self_attn
-    handle = attention.register_forward_pre_hook(capture, with_kwargs=True)
-    try:
-        adapter.model.model.rope_deltas = None
-        with torch.no_grad():
-            adapter.model(**inputs)
-    finally:
-        handle.remove()
-    return captured["in"]
 
 
 @pytest.mark.parametrize("backbone", BACKBONES)
@@ -119,7 +91,7 @@ def test_ranking_is_the_last_tokens_row_of_the_eager_attention_map(eager_adapter
     assert pruner.layer_tokens == [len(visual)] * k_layer + [keep] * (12 - k_layer)
     assert set(kept.tolist()) & set(visual.tolist()) == expected
     assert seen["hidden"].shape[1] == inputs["input_ids"].shape[1] - len(visual) + keep
-    for ours, full in zip(seen["rotary"], seen["full_rotary"]):
+    for ours, full in zip(seen["rotary"], seen["full_rotary"], strict=True):  # cos, sin
         assert torch.equal(ours, full[:, kept])  # each kept token at its original position
     # and our row equals the eager map's
     states, (cos, sin) = attention_input(adapter, inputs, k_layer - 1)

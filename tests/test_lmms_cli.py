@@ -8,52 +8,19 @@ import pytest
 
 from resadapt_eval.methods import AFTER_MERGER, INSIDE_LLM, METHODS
 
-from .conftest import REPO
-
-TASK = "resadapt_smoke_videoqa"
-
-
-def lmms_eval_command(model: str, model_args: dict, tasks: str, include_path: str, output_path) -> list[str]:
-    arg_string = ",".join(f"{k}={v}" for k, v in model_args.items())
-    return [
-        sys.executable,
-        "-m",
-        "lmms_eval",
-        "--model",
-        model,
-        "--model_args",
-        arg_string,
-        "--tasks",
-        tasks,
-        "--include_path",
-        include_path,
-        "--output_path",
-        str(output_path),
-        "--log_samples",
-    ]
-
-
-def run_lmms_eval(model, model_args, out):
-    cmd = lmms_eval_command(model, model_args, TASK, str(REPO / "tasks"), out)
-    return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
-
-
-def sidecar_records(out):
-    paths = sorted(out.rglob("resadapt_samples_*.jsonl"))
-    assert len(paths) == 1, paths
-    return [json.loads(line) for line in paths[0].read_text().splitlines()]
-
-
-def results_json(out):
-    (path,) = sorted(out.rglob("*_results.json"))
-    return json.loads(path.read_text())
-
-
-def run_manifest(out):
-    """The run manifest, which sits beside lmms-eval's results JSON."""
-    (path,) = sorted(out.rglob("resadapt_run_*.json"))
-    assert path.parent == sorted(out.rglob("*_results.json"))[0].parent
-    return json.loads(path.read_text())
+# run_lmms_eval, lmms_eval_command and sidecar_records: tests/test_train.py and tests/test_vllm.py still
+# import them from here
+from .helpers import (
+    REPO,
+    free_port,
+    lmms_eval_command,
+    results_json,
+    run_lmms_eval,
+    run_manifest,
+    sidecar_records,
+    smoke_task,
+)
+from .helpers import SMOKE_TASK as TASK
 
 
 def test_models_are_registered_through_the_entry_point():
@@ -122,28 +89,30 @@ def test_fixed_scale_run_exits_0_and_every_record_is_within_budget(fixtures_dir,
 
 
 @pytest.fixture
-def one_video_missing(fixtures_dir):
-    video = fixtures_dir / "smoke_videoqa" / "videos" / "smoke_002.mp4"
-    hidden = video.with_suffix(".hidden")
-    video.rename(hidden)
-    try:
-        yield video
-    finally:
-        hidden.rename(video)
+def one_video_missing(fixtures_dir, tmp_path):
+    """(the missing video, an --include_path): the smoke task over the smoke rows, one row's video a
+    path that does not exist (the shared fixtures stay as they are)."""
+    rows = [json.loads(line) for line in (fixtures_dir / "smoke_videoqa" / "test.jsonl").read_text().splitlines()]
+    missing = tmp_path / "videos" / "smoke_002.mp4"  # never written
+    (row,) = [r for r in rows if r["videoID"] == "smoke_002"]
+    row["video_path"] = str(missing)
+    return missing, smoke_task(tmp_path / "task", rows)
 
 
 def test_a_missing_video_is_recorded_and_the_run_goes_on(fixtures_dir, tmp_path, one_video_missing):
+    missing, include_path = one_video_missing
     model_args = dict(pretrained=fixtures_dir / "qwen25vl", method="vanilla", max_num_frames=8, device="cpu")
-    proc = run_lmms_eval("resadapt_qwen25vl", model_args, tmp_path)
+    out = tmp_path / "out"
+    proc = run_lmms_eval("resadapt_qwen25vl", model_args, out, include_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    records = sidecar_records(tmp_path)
+    records = sidecar_records(out)
     failed = [r for r in records if r["error"]]
-    assert len(failed) == 1
-    assert str(one_video_missing) in failed[0]["error"]
+    assert len(records) == 8 and len(failed) == 1
+    assert str(missing) in failed[0]["error"]
     assert failed[0]["visual_tokens"] == 0 and failed[0]["achieved_retention"] is None
     assert all(r["achieved_retention"] == 1.0 for r in records if not r["error"])
-    assert results_json(tmp_path)["throughput"]["avg_resadapt_failed_samples"] == 1
-    manifest = run_manifest(tmp_path)
+    assert results_json(out)["throughput"]["avg_resadapt_failed_samples"] == 1
+    manifest = run_manifest(out)
     assert (manifest["samples"], manifest["failed_samples"]) == (len(records), 1)
     assert manifest["first_errors"] == [dict(task=TASK, doc_id=failed[0]["doc_id"], error=failed[0]["error"])]
 
@@ -260,7 +229,9 @@ def test_frame_selection_runs_through_the_cli_with_the_frame_budget(fixtures_dir
     )
     proc = run_lmms_eval("resadapt_qwen25vl", model_args, tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    for r in sidecar_records(tmp_path):
+    records = sidecar_records(tmp_path)
+    assert len(records) == 8
+    for r in records:
         assert r["error"] is None and r["candidates"] == 32 and len(r["frame_indices"]) == 8
         assert r["frame_indices"] == sorted(r["frame_indices"]) and len(r["raw_scales"]) == 32
         # R is against vanilla at the candidate count; the frame budget is in full-frame equivalents
@@ -307,6 +278,7 @@ def test_data_parallel_on_two_cpu_processes_equals_one_process(fixtures_dir, tmp
     assert one.returncode == 0, one.stderr[-3000:]
     launcher = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2"]
     launcher += ["--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no"]
+    launcher += ["--main_process_port", str(free_port())]
     cmd = launcher + lmms_eval_command("resadapt_qwen25vl", model_args, TASK, str(REPO / "tasks"), tmp_path / "two")[1:]
     env = dict(os.environ, ACCELERATE_USE_CPU="true")
     two = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600, env=env)

@@ -18,7 +18,7 @@ from resadapt_eval.compute.memory import kv_cache_bytes, parameter_count, row_me
 from resadapt_eval.pipeline import VideoPipeline, VideoPipelineConfig
 from resadapt_eval.profile import clock
 
-from .test_flops import video_request
+from .helpers import video_request
 
 BACKBONES = ["qwen25vl", "qwen3vl"]
 # the published models' parameter counts (their model cards: 8.29B, 8.77B)
@@ -206,6 +206,7 @@ def test_memory_table_for_the_7b_at_720p(capsys):
         "--output-tokens",
         "128",
     )
+    assert set(rows) == {(m, f) for m in ("vanilla", "fixed_scale") for f in (16, 128)}
     for (method, frames), row in rows.items():
         # bf16 weights: 2 bytes per parameter of the published count
         assert row["weights"] == f"{2 * PUBLISHED_PARAMETERS['qwen25vl-7b'] / GIB:.2f}"

@@ -28,7 +28,7 @@ from resadapt_eval.report.collect import CellRun
 from resadapt_eval.train.data import TrainSample, load_samples
 from resadapt_eval.train.engines import HFRolloutEngine
 
-from .conftest import REPO
+from .helpers import REPO
 
 
 @pytest.fixture(scope="module")
@@ -187,6 +187,7 @@ def test_query_allocator_config_starts_from_the_needle_allocator_with_text_posit
     trainer = build_trainer(path)
     start = Allocator.from_pretrained(config["allocator"]["checkpoint"])
     assert trainer.allocator.config.text_positions and not start.config.text_positions
+    assert set(trainer.allocator.trainable_state_dict()) == set(start.trainable_state_dict()) != set()
     for name, weight in start.trainable_state_dict().items():  # the same weights, now reading token order
         assert torch.equal(trainer.allocator.trainable_state_dict()[name], weight)
     config["allocator"]["width"] = 32  # a setting that changes the weights cannot ride on a checkpoint
@@ -329,7 +330,7 @@ def test_committed_needle_allocator_spends_r025_on_the_evidence_pair(tmp_path):
         (plan,) = pipeline.plan(decoded, scores).plans
         assert plan.base_hw == (224, 224) and plan.retention <= 0.25
         full += [i for i, size in enumerate(plan.pair_sizes) if size == (224, 224)] == [row["evidence_pair"]]
-    assert full >= 7  # 99.5% of 400 test videos in the README's sweep
+    assert full >= 7  # 99.5% of 400 test videos in the sweep of docs/needle.md
 
 
 def test_demo_runs_end_to_end_on_two_videos(tmp_path):

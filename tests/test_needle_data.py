@@ -25,6 +25,7 @@ def test_split_is_seeded_lossless_and_marks_the_evidence(tmp_path):
     b = make_split(tmp_path / "b", "test", 3, seed=5, progress=False)
     rows_a = [json.loads(line) for line in a.read_text().splitlines()]
     rows_b = [json.loads(line) for line in b.read_text().splitlines()]
+    assert len(rows_a) == 3
     assert [(r["answer"], r["evidence_pair"]) for r in rows_a] == [(r["answer"], r["evidence_pair"]) for r in rows_b]
     for row in rows_a:
         video = decode_video(row["video_path"], 16)
@@ -106,6 +107,7 @@ def test_query_split_names_one_of_several_coloured_candidates(tmp_path):
         json.loads(line)
         for line in make_split(tmp_path, "test", 4, seed=3, variant="query", progress=False).read_text().splitlines()
     ]
+    assert len(rows) == 4
     for row in rows:
         video = decode_video(row["video_path"], 16)
         pairs = row["candidate_pairs"]
@@ -163,7 +165,7 @@ def test_long_split_has_128_frames_and_one_evidence_pair_anywhere(tmp_path):
         .read_text()
         .splitlines()
     ]
-    assert LONG_FRAMES == 128
+    assert LONG_FRAMES == 128 and len(rows) == 2
     for row in rows:
         video = decode_video(row["video_path"], LONG_FRAMES)
         assert video.frames.shape == (128, 224, 224, 3) and row["variant"] == "long"
@@ -277,7 +279,7 @@ def test_committed_query_backbone_answers_for_the_colour_the_question_names(tmp_
     from resadapt_eval.needle.data import LETTERS, query_question
     from resadapt_eval.needle.train_backbone import chat_prompt
 
-    from .conftest import REPO
+    from .helpers import REPO
 
     adapter = Qwen25VLAdapter.from_pretrained(str(REPO / "results" / "needle" / "backbone-query-qwen25vl"))
     letters = [adapter.tokenizer(letter)["input_ids"][0] for letter in LETTERS]

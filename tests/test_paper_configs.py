@@ -17,7 +17,7 @@ from resadapt_eval.capo.losses import CAPOConfig
 from resadapt_eval.sweep import load_card
 from resadapt_eval.train.config import build_trainer
 
-from .conftest import REPO
+from .helpers import REPO
 
 # config -> (backbone family, base pixels per frame: 8,192 tokens over 64 pairs on its token grid)
 CONFIGS = {
@@ -32,9 +32,10 @@ def offline_copy(name, tmp_path, fixtures_dir):
     family = config["backbone"]["family"]
     config["output_dir"] = str(tmp_path / "run")
     config["data"] = str(fixtures_dir / "smoke_videoqa" / "train.jsonl")
-    config["backbone"].update(
-        pretrained=str(fixtures_dir / family), device="cpu", dtype="float32", attn_implementation=None
-    )
+    config["backbone"].update(pretrained=str(fixtures_dir / family), device="cpu", dtype="float32")
+    # vLLM runs in its own environment (make test-vllm): here the same rollouts go through the HF engine
+    config["rollout"].update(engine="hf")
+    del config["rollout"]["vllm"]
     config["allocator"]["encoder_path"] = str(fixtures_dir / "smolvlm")
     path = tmp_path / name
     path.write_text(yaml.safe_dump(config))
@@ -48,15 +49,19 @@ HUB = {"qwen25vl": "Qwen/Qwen2.5-VL-7B-Instruct", "qwen3vl": "Qwen/Qwen3-VL-8B-I
 def test_paper_config_as_written(name, tmp_path, fixtures_dir):
     config = yaml.safe_load((REPO / "configs" / name).read_text())
     family, _ = CONFIGS[name]
-    assert config["backbone"] == dict(
-        family=family, pretrained=HUB[family], device="cuda", dtype="bfloat16", attn_implementation="flash_attention_2"
-    )
+    assert config["backbone"] == dict(family=family, pretrained=HUB[family], device="cuda", dtype="bfloat16")
+    assert config["rollout"]["engine"] == "vllm"
+    assert config["rollout"]["vllm"] == dict(gpu_memory_utilization=0.85, tensor_parallel_size=1, max_model_len=32768)
     assert config["allocator"]["encoder"] == "smolvlm"
     assert config["allocator"]["encoder_path"] == "HuggingFaceTB/SmolVLM2-256M-Video-Instruct"
     # The offline copy the other tests build differs in the swapped settings only.
     copy = yaml.safe_load(offline_copy(name, tmp_path, fixtures_dir).read_text())
-    for section in ("rollout", "capo", "train"):
+    for section in ("capo", "train"):
         assert copy[section] == config[section]
+    engine_keys = ("engine", "vllm")
+    assert {k: v for k, v in copy["rollout"].items() if k not in engine_keys} == {
+        k: v for k, v in config["rollout"].items() if k not in engine_keys
+    }
     assert {k: v for k, v in copy["allocator"].items() if k != "encoder_path"} == {
         k: v for k, v in config["allocator"].items() if k != "encoder_path"
     }
@@ -76,7 +81,7 @@ def test_paper_config_builds_the_trainer_with_the_papers_values(name, tmp_path, 
     assert isinstance(trainer.optimizer.optimizer, torch.optim.AdamW)
     (group,) = trainer.optimizer.param_groups
     assert (group["lr"], group["weight_decay"]) == (2e-5, 0.01)
-    assert all(p.requires_grad for p in group["params"])
+    assert group["params"] and all(p.requires_grad for p in group["params"])
 
     # Allocator (paper Sec. 3.2, App. Complexity Analysis): SmolVLM encoders, D = 1,024, L = 4, Beta head.
     allocator = trainer.allocator
@@ -161,3 +166,19 @@ def test_paper_cards_load_with_the_authors_budget_rule(name, tmp_path):
         method="resadapt", allocator=str(checkpoint), retention=0.25, max_num_frames=32, **args
     )
     assert (config.max_pixels, config.max_num_frames) == (768 * 28 * 28, 32)
+
+
+@pytest.mark.parametrize("name, machines, processes", [("one_node_8_gpus", 1, 8), ("four_nodes_32_gpus", 4, 32)])
+def test_the_accelerate_configs_load_and_split_the_papers_batch_evenly(name, machines, processes):
+    from accelerate.commands.config.config_args import ClusterConfig
+    from accelerate.utils import DistributedType
+
+    config = ClusterConfig.from_yaml_file(str(REPO / "configs" / "accelerate" / f"{name}.yaml"))
+    assert (config.num_machines, config.num_processes, config.distributed_type) == (
+        machines,
+        processes,
+        DistributedType.MULTI_GPU,
+    )
+    for paper in CONFIGS:
+        batch = yaml.safe_load((REPO / "configs" / paper).read_text())["train"]["batch_size"]
+        assert batch % config.num_processes == 0

@@ -151,6 +151,7 @@ def test_header_and_row_count(name):
 @pytest.mark.parametrize("name", sorted(TABLES))
 def test_metric_cells_are_empty_or_float(name):
     fieldnames, rows = load(name)
+    assert len(rows) == TABLES[name][0]
     for row in rows:
         assert row["method"].strip() == row["method"] and row["method"]
         if "frames" in row:
@@ -170,6 +171,7 @@ def test_metric_cells_are_empty_or_float(name):
 def test_methods_are_plain_text():
     for name in TABLES:
         _, rows = load(name)
+        assert len(rows) == TABLES[name][0], name
         for row in rows:
             assert "\\" not in row["method"] and "{" not in row["method"], row["method"]
             assert "Ours" not in row["method"]

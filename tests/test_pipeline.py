@@ -103,7 +103,8 @@ def test_a_batch_answers_as_its_requests_do_one_at_a_time(adapters, fixtures_dir
         ),
     )
     together = pipeline.run_batch(requests)
-    for request, (text, record) in zip(requests, together):
+    assert len(requests) == 3
+    for request, (text, record) in zip(requests, together, strict=True):
         alone_text, alone = pipeline.run(request)
         assert text == alone_text
         np.testing.assert_allclose(record.raw_scales, alone.raw_scales, atol=1e-5)

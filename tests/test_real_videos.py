@@ -128,3 +128,4 @@ def test_every_method_answers_the_clips_with_exact_token_accounting(adapters, pi
         else:
             assert record.visual_tokens == plan_tokens
         assert spec.retention == NO_RETENTION or record.achieved_retention <= RETENTION
+    assert vanilla_tokens is not None and len(HF_METHODS) > 1  # vanilla ran, and methods beside it

@@ -24,8 +24,7 @@ from resadapt_eval.compute.flops import (
 from resadapt_eval.fixtures import REAL_WIDTH, REDUCED_DEPTH, build_tokenizer, ensure_real_width, real_width_config
 from resadapt_eval.methods import AFTER_MERGER, BEFORE_ENCODER, INSIDE_LLM, METHODS, NO_RETENTION
 
-from .conftest import FIXTURES, REPO
-from .test_lmms_cli import lmms_eval_command, run_manifest, sidecar_records
+from .helpers import FIXTURES, REPO, lmms_eval_command, run_manifest, sidecar_records
 
 BACKBONES = {family: name for name, family in REAL_WIDTH.items()}  # qwen25vl -> qwen25vl-7b
 HF_METHODS = [name for name, method in METHODS.items() if method.hf]  # all but vLLM's EVS

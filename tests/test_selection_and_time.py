@@ -9,7 +9,7 @@ from resadapt_eval.budget.plan import plan_from_scales
 from resadapt_eval.budget.selection import select_frames
 from resadapt_eval.video import DecodedVideo
 
-from .test_backbones import chat_prompt, video_position_blocks
+from .helpers import chat_prompt, video_position_blocks
 
 
 def test_select_frames():
@@ -43,7 +43,7 @@ def test_qwen25vl_pair_positions_follow_frame_time_after_selection(adapters):
     start = int(torch.nonzero(inputs["mm_token_type_ids"][0] == VIDEO_TOKEN_TYPE)[0])
     tps = adapter.model.config.vision_config.tokens_per_second
     # pair k starts at frame index 0, 15, 36 of a 6 fps file: 0, 2.5, 6.0 seconds
-    for block, seconds in zip(blocks, [0.0, 2.5, 6.0]):
+    for block, seconds in zip(blocks, [0.0, 2.5, 6.0], strict=True):
         assert set(block[0].tolist()) == {start + int(np.floor(tps * seconds))}
     assert adapter.generate(inputs, max_new_tokens=2)[1] == 2
 

@@ -7,7 +7,7 @@ from resadapt_eval.budget.policies import BudgetSpec
 from resadapt_eval.lmms.models import ResAdaptQwen25VL
 from resadapt_eval.pipeline import VideoPipelineConfig
 
-from .conftest import REPO
+from .helpers import REPO
 
 BAD = {
     "fixed_scale without retention": (dict(method="fixed_scale"), "retention"),

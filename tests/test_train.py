@@ -30,19 +30,7 @@ import yaml  # noqa: E402
 
 from resadapt_eval.allocator import Allocator  # noqa: E402
 
-from .conftest import REPO  # noqa: E402
-from .test_lmms_cli import run_lmms_eval, sidecar_records  # noqa: E402
-
-
-def tiny_config(tmp_path, fixtures_dir, **train_overrides):
-    config = yaml.safe_load((REPO / "configs" / "train_tiny.yaml").read_text())
-    config["output_dir"] = str(tmp_path / "run")
-    config["data"] = str(fixtures_dir / "smoke_videoqa" / "train.jsonl")
-    config["backbone"]["pretrained"] = str(fixtures_dir / "qwen25vl")
-    config["train"].update(train_overrides)
-    path = tmp_path / "train.yaml"
-    path.write_text(yaml.safe_dump(config))
-    return path
+from .helpers import REPO, run_lmms_eval, sidecar_records, tiny_train_config  # noqa: E402
 
 
 def train_cli(*args):
@@ -56,7 +44,7 @@ def train_cli(*args):
 
 
 def test_train_cli_checkpoints_resumes_and_the_checkpoint_runs_in_lmms_eval(fixtures_dir, tmp_path):
-    config = tiny_config(tmp_path, fixtures_dir)
+    config = tiny_train_config(tmp_path, fixtures_dir)
     proc = train_cli("--config", str(config))
     assert proc.returncode == 0, proc.stderr[-3000:]
     run = tmp_path / "run"
@@ -99,7 +87,7 @@ def test_train_cli_checkpoints_resumes_and_the_checkpoint_runs_in_lmms_eval(fixt
 
 
 def test_joint_backbone_update_changes_the_backbone(fixtures_dir, tmp_path):
-    config = tiny_config(tmp_path, fixtures_dir, steps=1, train_backbone=True, backbone_lr=1e-3)
+    config = tiny_train_config(tmp_path, fixtures_dir, steps=1, train_backbone=True, backbone_lr=1e-3)
     proc = train_cli("--config", str(config))
     assert proc.returncode == 0, proc.stderr[-3000:]
     folder = tmp_path / "run" / "checkpoints" / "step-000001"
@@ -157,7 +145,7 @@ def two_sample_config(tmp_path, fixtures_dir, name, cache):
         row["video"] = str((source.parent / row["video"]).resolve())
     data = tmp_path / "two.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    config = yaml.safe_load(tiny_config(tmp_path, fixtures_dir).read_text())
+    config = yaml.safe_load(tiny_train_config(tmp_path, fixtures_dir).read_text())
     config.update(output_dir=str(tmp_path / name), data=str(data), cache=cache)
     path = tmp_path / f"{name}.yaml"
     path.write_text(yaml.safe_dump(config))
@@ -211,7 +199,7 @@ def test_the_caches_change_nothing_but_the_time_and_every_step_is_clocked(fixtur
 def test_engine_settings_that_cannot_work_stop_before_anything_loads(fixtures_dir, tmp_path, rollout, train, message):
     from resadapt_eval.train.config import build_trainer
 
-    config = yaml.safe_load(tiny_config(tmp_path, fixtures_dir).read_text())
+    config = yaml.safe_load(tiny_train_config(tmp_path, fixtures_dir).read_text())
     config["rollout"].update(rollout)
     config["train"].update(train)
     path = tmp_path / "bad.yaml"

@@ -13,7 +13,7 @@ import torch
 import yaml
 from safetensors.torch import load_file
 
-from .conftest import REPO
+from .helpers import REPO, free_port
 
 LAUNCH = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2"]
 LAUNCH += ["--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no"]
@@ -35,7 +35,7 @@ def config_file(tmp_path, fixtures_dir, name: str, **train_overrides):
 
 
 def train(config, *args, processes: int = 1):
-    command = [*LAUNCH, "-m"] if processes == 2 else [sys.executable, "-m"]
+    command = [*LAUNCH, "--main_process_port", str(free_port()), "-m"] if processes == 2 else [sys.executable, "-m"]
     proc = subprocess.run(
         [*command, "resadapt_eval.cli", "train", "--config", str(config), *args],
         cwd=REPO,

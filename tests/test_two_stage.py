@@ -21,11 +21,8 @@ from resadapt_eval.budget.policies import BudgetSpec
 from resadapt_eval.methods import METHODS
 from resadapt_eval.pipeline import VideoPipeline, VideoPipelineConfig
 
-from .test_backbones import chat_prompt, first_logits_and_text, synthetic_video
-from .test_flops import video_request
-from .test_inside_llm import attention_input, eager_adapters  # noqa: F401  (fixture)
+from .helpers import BACKBONES, attention_input, chat_prompt, first_logits_and_text, synthetic_video, video_request
 
-BACKBONES = ["qwen25vl", "qwen3vl"]
 TWO_STAGE = [name for name, m in METHODS.items() if m.compress is not None and m.prune is not None]
 
 
@@ -68,7 +65,7 @@ def test_merging_equals_the_reference_loop():
 
 
 @pytest.mark.parametrize("backbone", BACKBONES)
-def test_prunevid_ranks_by_the_texts_attention_in_the_eager_map(eager_adapters, backbone):  # noqa: F811
+def test_prunevid_ranks_by_the_texts_attention_in_the_eager_map(eager_adapters, backbone):
     """PruneVid's rule, from the model's own attention maps: the visual tokens with the highest
     attention from the text after the video in layer K - 1 (max over heads and those tokens)."""
     adapter = eager_adapters[backbone]

