@@ -123,6 +123,11 @@ def build_trainer(config_path: str | Path, steps: int | None = None) -> Allocato
     if vllm_settings and engine_name != "vllm":
         raise ValueError(f"{path}: rollout.vllm sets the vLLM engine, but rollout.engine is {engine_name!r}")
     train_cfg = dict(raw.get("train") or {})
+    if engine_name == "vllm" and backbone_cfg.get("attn_implementation") is not None:
+        raise ValueError(
+            f"{path}: backbone.attn_implementation is the HF engine's setting; vLLM picks its own attention "
+            "kernels (remove it, or use rollout.engine hf)"
+        )
     if engine_name == "vllm" and train_cfg.get("train_backbone"):
         from .vllm_rollouts import STALE_WEIGHTS
 
