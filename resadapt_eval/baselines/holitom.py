@@ -45,7 +45,7 @@ Deviations from the reference:
   order, as the reference loops. Here K is at the same relative depth, round(18 L / 28) (8 of the
   tiny 12), after Qwen3-VL's deepstack layers, or at `prune_layers`; kept tokens keep their
   original M-RoPE positions (the reference's positions are the kept indices too).
-- Budget: the retention R is layer-averaged over both stages (the README's rule). The inner stage
+- Budget: the retention R is layer-averaged over both stages (docs/budget.md). The inner stage
   keeps its paper share (or R of the tokens where R is larger, so that R = 1 keeps every token), and
   the outer stage keeps the most tokens that leave the layer average within R
   (`inside_llm.entering_tokens`).

@@ -19,7 +19,7 @@ holds only the kept tokens; in each decode step the mask (when the attention nee
 pruned prompt columns. Qwen3-VL adds deepstack features to the visual tokens after its first
 layers: a stage must come after them (`first_layer`).
 
-Retention (one rule for every method, see the README): R is the layer-averaged share of visual
+Retention (one rule for every method, see docs/budget.md): R is the layer-averaged share of visual
 tokens, sum over layers of the visual tokens in that layer / (layers x N); the schedules solve
 for the keep counts whose layer average is the largest not above the target. A method that also
 compresses before the LLM keeps its paper's share inside it (or R, if larger, so that R = 1 keeps

@@ -23,7 +23,7 @@ What the method does (with Qwen frame pairs as frames):
    models/pllava/elastic_cache.py, `selected_layer` and `alpha` in scripts/eval.sh).
 
 Deviations from the reference:
-- Budget: the retention R is layer-averaged over both stages (the README's rule). The LLM stage keeps its paper
+- Budget: the retention R is layer-averaged over both stages (docs/budget.md). The LLM stage keeps its paper
   share alpha = 0.4 at its paper depth (or R of them where R is larger, so that R = 1 keeps every token); the
   vision side keeps the most tokens that leave the layer average within R (`inside_llm.entering_tokens`).
 - The LLM stage sits at the same relative depth: layer round(11 L / 32) of an L-layer LLM (the first layer

@@ -59,7 +59,7 @@ class ResAdaptQwen(lmms):
     model_args: pretrained (path or hub id), device, dtype, attn_implementation, sidecar_dir (where
     per-sample JSONL records go; default: the run's `--output_path/<model>` folder, else
     ./resadapt_sidecars), and every field of `VideoPipelineConfig` and its `BudgetSpec` by name
-    (method, retention, allocator, operator, max_num_frames, s_min, ...; the README's model_args
+    (method, retention, allocator, operator, max_num_frames, s_min, ...; docs/usage.md's model_args
     table), parsed by `config_from_model_args`.
     """
 
