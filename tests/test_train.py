@@ -156,7 +156,8 @@ def test_the_caches_change_nothing_but_the_time_and_every_step_is_clocked(fixtur
     from resadapt_eval.train.config import build_trainer
 
     runs = {}
-    for name, cache in (("cached", dict(frames_mb=64, features_mb=64)), ("uncached", dict(frames_mb=0, features_mb=0))):
+    for name, mb in (("cached", 64), ("uncached", 0)):
+        cache = dict(frames_mb=mb, pairs_mb=mb, features_mb=mb)
         trainer = build_trainer(two_sample_config(tmp_path, fixtures_dir, name, cache))
         runs[name] = (trainer.train(progress=False), trainer)
     (cached, with_caches), (uncached, without) = runs["cached"], runs["uncached"]
@@ -170,8 +171,16 @@ def test_the_caches_change_nothing_but_the_time_and_every_step_is_clocked(fixtur
             k: v for k, v in row_uncached.items() if k not in costs
         }
     # 6 draws of 2 videos: 2 misses then hits; without a cache every draw misses.
-    assert cached[-1]["cache"] == dict(features_hits=4, features_misses=2, frames_hits=4, frames_misses=2)
-    assert uncached[-1]["cache"] == dict(features_hits=0, features_misses=6, frames_hits=0, frames_misses=6)
+    counts, nothing = cached[-1]["cache"], uncached[-1]["cache"]
+    assert {k: v for k, v in counts.items() if not k.startswith("pairs")} == dict(
+        features_hits=4, features_misses=2, frames_hits=4, frames_misses=2
+    )
+    assert {k: v for k, v in nothing.items() if not k.startswith("pairs")} == dict(
+        features_hits=0, features_misses=6, frames_hits=0, frames_misses=6
+    )
+    # 6 draws x 4 allocations x 4 pairs = 96 resized pairs, many at a size asked for before
+    assert counts["pairs_hits"] + counts["pairs_misses"] == nothing["pairs_misses"] == 96
+    assert nothing["pairs_hits"] == 0 and counts["pairs_hits"] > 0
     for row in cached + uncached:
         seconds = row["seconds"]
         assert set(seconds) == {"decode", "features", "allocation", "rollout_build", "rollout_generate", "rewards"} | {

@@ -6,6 +6,9 @@
 - `FeatureCache`: the Allocator's frozen-encoder features per (video, frame indices, query,
   encoder), in the Allocator's device memory, bounded the same way. The encoder is named by its
   config (`encoder`, `encoder_path`, `seed`): another encoder never reads these features.
+- `PairCache`: each frame pair resized to a planned size, per (video, frame indices, pair, size).
+  Planned sizes lie on the backbone's token grid, so the M allocations of a step and the later
+  draws of the same video ask for the same few sizes of each pair again.
 - `StepClock`: seconds per phase of one step.
 
 Decoding and the frozen encoders are deterministic, so a hit returns the very tensors a miss
@@ -21,6 +24,8 @@ from pathlib import Path
 
 import torch
 
+from ..backbones.layout import resize_frames
+from ..budget.plan import ResizePlan
 from ..video import DecodedVideo, decode_video
 
 MB = 1 << 20
@@ -99,6 +104,27 @@ class FeatureCache:
         if video_key is None:  # frames without a name (simulated videos): nothing to key them by
             return compute()
         return self.cache.get((video_key, query, self.encoder_key(allocator)), compute)
+
+
+def _tensors_bytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
+
+
+class PairCache:
+    """`resized_pairs(video, plan, video_key)`: `QwenLayout.resized_pairs`, each pair kept across
+    allocations and steps up to `max_mb` MB."""
+
+    def __init__(self, max_mb: float):
+        self.cache = LRUCache(max_mb, _tensors_bytes)
+
+    def resized_pairs(self, video: DecodedVideo, plan: ResizePlan, video_key: tuple) -> list[torch.Tensor]:
+        """Each pair's frames (2, 3, h, w) uint8 at its planned size in pixels."""
+        return [
+            self.cache.get(
+                (video_key, tuple(group), h, w), lambda g=group, h=h, w=w: resize_frames(video.frames[list(g)], h, w)
+            )
+            for group, (h, w) in zip(plan.pair_frames, plan.pair_sizes)
+        ]
 
 
 class StepClock:

@@ -13,8 +13,9 @@
                                                         # allocation onto R within [s_min, s_max]
               vllm: {gpu_memory_utilization: 0.5, tensor_parallel_size: 1, max_model_len: null,
                      kv_cache_memory_bytes: null}}     # engine: vllm only (see VLLM_KEYS)
-    cache: {frames_mb: 4096, features_mb: 2048}         # decoded videos and frozen-encoder features kept
-                                                        # across steps (MB per process; 0: none)
+    cache: {frames_mb: 4096, pairs_mb: 2048,            # decoded videos, resized frame pairs and
+            features_mb: 2048}                          # frozen-encoder features kept across steps
+                                                        # (MB per process; 0: none)
     allocator: {checkpoint: null}       # or `untrained`, or a folder (with it, only text_positions: true
                                         # may be added: it adds no weights); otherwise AllocatorConfig fields
     capo: {...}                         # CAPOConfig fields
@@ -34,7 +35,7 @@ from ..allocator import UNTRAINED, Allocator, AllocatorConfig, load_allocator
 from ..backbones.qwen import ADAPTERS
 from ..budget.policies import BudgetSpec
 from ..capo.losses import CAPOConfig
-from .caches import FeatureCache, FrameCache
+from .caches import FeatureCache, FrameCache, PairCache
 from .data import load_samples
 from .engines import HFRolloutEngine
 from .trainer import AllocatorTrainer, TrainConfig
@@ -73,8 +74,8 @@ VLLM_KEYS = (
     "enable_chunked_prefill",
     "max_num_batched_tokens",
 )
-CACHE_KEYS = ("frames_mb", "features_mb")
-CACHE_DEFAULTS = dict(frames_mb=4096, features_mb=2048)
+CACHE_KEYS = ("frames_mb", "pairs_mb", "features_mb")
+CACHE_DEFAULTS = dict(frames_mb=4096, pairs_mb=2048, features_mb=2048)
 
 
 def _check_keys(path: Path, section: str, given: dict, allowed) -> None:
@@ -154,6 +155,7 @@ def build_trainer(config_path: str | Path, steps: int | None = None) -> Allocato
         retention=rollout.get("retention"),
         seed=train_cfg.get("seed", 0),
         frames=frames,
+        pairs=PairCache(cache["pairs_mb"]),
     )
     adapter = None
     if engine_name == "hf":

@@ -28,7 +28,7 @@ from ..budget.planner import Planner
 from ..budget.policies import BudgetSpec
 from ..capo.rewards import is_correct, task_reward, task_score
 from ..video import decode_video
-from .caches import FrameCache, StepClock
+from .caches import FrameCache, PairCache, StepClock
 from .data import TrainSample
 
 
@@ -97,7 +97,8 @@ class PlannedRollouts(RolloutEngine):
     next-token logits after the prompt; multiple-choice samples only). retention: None, R, or
     (lo, hi). seed: for the choice sampler and the per-prompt R (a call given its own seed draws
     from a generator seeded by it instead: the trainer's per-prompt seeds). frames: a `FrameCache`
-    (decoded videos kept across steps), or None to decode every time.
+    (decoded videos kept across steps), or None to decode every time; pairs: a `PairCache` (resized
+    frame pairs kept across allocations and steps), or None to resize every time.
     """
 
     def __init__(
@@ -117,6 +118,7 @@ class PlannedRollouts(RolloutEngine):
         retention: float | tuple[float, float] | None = None,
         seed: int = 0,
         frames: FrameCache | None = None,
+        pairs: PairCache | None = None,
     ):
         if answer not in ANSWER_MODES:
             raise ValueError(f"answer must be one of {ANSWER_MODES}, got {answer!r}")
@@ -141,7 +143,7 @@ class PlannedRollouts(RolloutEngine):
         if self.retention is not None and not 0 < self.retention[0] <= self.retention[1]:
             raise ValueError(f"retention must be R > 0 or a range 0 < lo <= hi, got {retention}")
         self.generator = torch.Generator().manual_seed(seed)
-        self.frames = frames
+        self.frames, self.pairs = frames, pairs
 
     def budget_settings(self) -> dict:
         """The budget the rollouts are planned under, keyed as the inference model_args."""
@@ -196,6 +198,12 @@ class PlannedRollouts(RolloutEngine):
                 (allocation,) = self.planner.fit([allocation], [base], target)
             plans.append(self.planner.plan(allocation, base))
         return plans
+
+    def resized_pairs(self, prompt: Prompt, plan: ResizePlan) -> list[torch.Tensor]:
+        """The prompt's frame pairs at the plan's sizes (from the pair cache when there is one)."""
+        if self.pairs is None:
+            return self.layout.resized_pairs(prompt.state["video"], plan)
+        return self.pairs.resized_pairs(prompt.state["video"], plan, prompt.video_key)
 
     def choice_probs_from(self, choice_logits: torch.Tensor) -> torch.Tensor:
         """Softmax over the option letters' logits (or log-probabilities: the same up to a constant)
@@ -284,7 +292,11 @@ class HFRolloutEngine(PlannedRollouts):
             torch.manual_seed(seed)  # HF generate samples from torch's global RNG
         with clock.phase("rollout_build"):
             plans = self.plans(prompt, scales, generator)
-            inputs = [self.adapter.build_inputs(prompt.state["chat"], prompt.state["video"], p) for p in plans]
+            state = prompt.state
+            inputs = [
+                self.adapter.build_inputs(state["chat"], state["video"], p, self.resized_pairs(prompt, p))
+                for p in plans
+            ]
         with clock.phase("rollout_generate"):
             answers = [self.answers(x, n, generator) for x in inputs]
         with clock.phase("rewards"):

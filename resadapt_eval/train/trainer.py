@@ -330,10 +330,16 @@ class AllocatorTrainer:
         """The step's seconds per phase (the slowest process's); its rollouts, their answers' tokens
         and the caches' hits and misses so far (summed over processes), for `metrics.jsonl`."""
         phases = ("decode", "features", "allocation", "rollout_build", "rollout_generate", "rewards", "update", "step")
-        frames = getattr(self.engine, "frames", None)
+        frames, pairs = getattr(self.engine, "frames", None), getattr(self.engine, "pairs", None)
         answered = sum(r.task_reward.numel() for r in rollouts)
         tokens = sum(int(r.response_tokens.sum()) for r in rollouts if r.response_tokens is not None)
-        counts = [*self.features.cache.counts(), *(frames.cache.counts() if frames else (0, 0)), answered, tokens]
+        counts = [
+            *self.features.cache.counts(),
+            *(frames.cache.counts() if frames else (0, 0)),
+            *(pairs.cache.counts() if pairs else (0, 0)),
+            answered,
+            tokens,
+        ]
         local = torch.tensor(
             [[clock.seconds.get(p, 0.0) for p in phases] + counts], dtype=torch.float64, device=self.accelerator.device
         )
@@ -346,9 +352,11 @@ class AllocatorTrainer:
                 features_misses=int(counts[1]),
                 frames_hits=int(counts[2]),
                 frames_misses=int(counts[3]),
+                pairs_hits=int(counts[4]),
+                pairs_misses=int(counts[5]),
             ),
-            rollouts=int(counts[4]),
-            response_tokens=int(counts[5]),
+            rollouts=int(counts[6]),
+            response_tokens=int(counts[7]),
         )
 
     # ------------------------------------------------------------------ checkpoints

@@ -21,7 +21,7 @@ import torch
 
 from ..backbones.vllm_engine import VLLMBackbone
 from ..budget.policies import BudgetSpec
-from .caches import FrameCache, StepClock
+from .caches import StepClock
 from .engines import PlannedRollouts, Prompt, Rollouts
 
 STALE_WEIGHTS = (
@@ -63,10 +63,9 @@ class VLLMRolloutEngine(PlannedRollouts):
         pretrained: str,
         max_num_frames: int,
         budget: BudgetSpec,
-        frames: FrameCache | None = None,
         **kwargs,
     ):
-        super().__init__(backbone.layout, family, pretrained, max_num_frames, budget, frames=frames, **kwargs)
+        super().__init__(backbone.layout, family, pretrained, max_num_frames, budget, **kwargs)
         self.backbone = backbone
 
     def sampling_params(self, n: int, seed: int | None, allocation: int):
@@ -122,7 +121,10 @@ class VLLMRolloutEngine(PlannedRollouts):
             requests, params = [], []
             for prompt, prompt_plans, seed in zip(prompts, plans, seeds):
                 for m, plan in enumerate(prompt_plans):
-                    requests.append(self.backbone.build_inputs(prompt.state["chat"], prompt.state["video"], plan))
+                    pairs = self.resized_pairs(prompt, plan)
+                    requests.append(
+                        self.backbone.build_inputs(prompt.state["chat"], prompt.state["video"], plan, pairs)
+                    )
                     params.append(self.sampling_params(n, seed, m))
         with clock.phase("rollout_generate"):
             outputs = self.backbone.llm.generate(requests, params, use_tqdm=False)
