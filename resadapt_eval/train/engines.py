@@ -255,7 +255,7 @@ class HFRolloutEngine(PlannedRollouts):
         from ..backbones.qwen import ADAPTERS
 
         family = next(name for name, cls in ADAPTERS.items() if isinstance(adapter, cls))
-        super().__init__(adapter, family, adapter.model.config._name_or_path, max_num_frames, budget, **kwargs)
+        super().__init__(adapter.layout, family, adapter.model.config._name_or_path, max_num_frames, budget, **kwargs)
         self.adapter = adapter
 
     @torch.inference_mode()
