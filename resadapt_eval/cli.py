@@ -1,5 +1,5 @@
-"""`resadapt-eval` command line: fixtures | demo | sweep | tables | plots | train | flops | profile |
-needle (make-data | train-backbone | train-allocator | report)."""
+"""`resadapt-eval` command line: fixtures | demo | sweep | sweep-status | tables | plots | train | flops |
+profile | needle (make-data | train-backbone | train-allocator | report)."""
 
 from __future__ import annotations
 
@@ -45,6 +45,7 @@ def cmd_fixtures(args) -> int:
 
 
 def cmd_sweep(args) -> int:
+    from .cluster.settings import SCALAR_KEYS, BadSlurmSetting, parse_pairs, slurm_settings
     from .sweep import (
         ChangedCells,
         check_cells,
@@ -70,25 +71,89 @@ def cmd_sweep(args) -> int:
         tasks = args.tasks.split(",") if args.tasks else card.tasks
         cells = plan_cells(args.methods.split(","), retentions, frames)
         check_cells(card, cells)  # every cell's model_args, as its model class checks them at start
-    except (ValueError, FileNotFoundError) as exc:  # a bad card, --model-args or cell: stop before any cell
+        if args.retries < 0:
+            raise ValueError(f"--retries must be at least 0, got {args.retries}")
+        if args.max_parallel is not None and args.max_parallel < 1:
+            raise ValueError(f"--max-parallel must be at least 1, got {args.max_parallel}")
+        flags = {key: getattr(args, f"slurm_{key}") for key in SCALAR_KEYS}
+        if args.executor == "slurm" and args.retries and not (args.wait or args.slurm_local):
+            raise ValueError(
+                "--retries needs --wait with --executor slurm: a sweep that watches its jobs resubmits them "
+                "(without it, run the same command again to resubmit the failed cells)"
+            )
+        if args.executor == "slurm":
+            flags["options"] = parse_pairs(args.slurm_option, "--slurm-option")
+            flags["additional"] = parse_pairs(args.slurm_additional, "--slurm-additional")
+            settings = slurm_settings(card.slurm, flags)
+        else:
+            given = [f"--slurm-{k.replace('_', '-')}" for k, v in flags.items() if v is not None]
+            given += ["--slurm-option"] * bool(args.slurm_option) + ["--slurm-additional"] * bool(args.slurm_additional)
+            given += ["--slurm-local"] * args.slurm_local + ["--wait"] * args.wait
+            given += ["--max-parallel"] * (args.max_parallel is not None)
+            if given:
+                raise ValueError(
+                    f"{given[0]} applies to --executor slurm (the local executor runs one cell after another; "
+                    "--executor slurm --slurm-local runs them as separate processes here)"
+                )
+    except (ValueError, FileNotFoundError) as exc:  # a bad card, --model-args, cell or SLURM setting: stop first
         print(f"sweep: {exc}", file=sys.stderr)
         return 2
     ensure_needle_data(card, args.limit)
+    common = dict(
+        launcher=args.launcher,
+        limit=args.limit,
+        max_failed_fraction=args.max_failed_fraction,
+        rerun_changed=args.rerun_changed,
+        retries=args.retries,
+    )
     try:
-        records = run_sweep(
-            card,
-            cells,
-            tasks,
-            Path(args.output),
-            launcher=args.launcher,
-            limit=args.limit,
-            max_failed_fraction=args.max_failed_fraction,
-            rerun_changed=args.rerun_changed,
-        )
-    except ChangedCells as exc:
+        if args.executor == "local":
+            records = run_sweep(card, cells, tasks, Path(args.output), **common)
+        else:
+            from .cluster.jobs import SubmissionFailed, submit_sweep
+
+            try:
+                records = submit_sweep(
+                    card,
+                    cells,
+                    tasks,
+                    Path(args.output).resolve(),
+                    settings,
+                    local=args.slurm_local,
+                    wait=args.wait,
+                    max_parallel=args.max_parallel or (1 if args.slurm_local else None),
+                    **common,
+                )
+            except SubmissionFailed as exc:
+                print(f"sweep: {exc}", file=sys.stderr)
+                return 2
+    except (ChangedCells, BadSlurmSetting) as exc:  # nothing was run or submitted
         print(f"sweep: {exc}", file=sys.stderr)
         return 2
-    return 1 if any(r["status"] != "done" for r in records) else 0
+    except KeyboardInterrupt:
+        print(
+            f"sweep: interrupted; the cells it ran were ended. Run the same command to resume: {args.output}",
+            file=sys.stderr,
+        )
+        return 130
+    if records is None:  # submitted; the jobs run on
+        return 0
+    return 1 if any(r is None or r["status"] != "done" for r in records) else 0
+
+
+def cmd_sweep_status(args) -> int:
+    from .cluster.status import show_status
+
+    if not Path(args.run_dir).is_dir():
+        print(f"sweep-status: no sweep folder {args.run_dir}", file=sys.stderr)
+        return 2
+    if args.watch is not None and args.watch <= 0:
+        print(f"sweep-status: --watch takes a positive number of seconds, got {args.watch}", file=sys.stderr)
+        return 2
+    try:
+        return show_status(args.run_dir, args.watch)
+    except KeyboardInterrupt:
+        return 130
 
 
 def collected(args, include_failed: bool = False):
@@ -107,17 +172,24 @@ def collected(args, include_failed: bool = False):
 
 
 def cmd_tables(args) -> int:
-    from .report.tables import build_tables, to_markdown, write_tables
+    from .report.collect import missing_cells
+    from .report.tables import build_tables, missing_markdown, to_markdown, write_tables
 
     runs = collected(args, include_failed=True)
+    missing = missing_cells(args.run_dir, runs or [])
     if runs is None:
+        if missing:
+            print(missing_markdown(missing))
         return 1
     paper_dir = Path(args.paper_dir) if args.paper else None
-    tables = build_tables(runs, paper_dir)
+    tables = build_tables(runs, paper_dir, missing)
     out = Path(args.out) if args.out else Path(args.run_dir[0]) / "tables"
     write_tables(tables, out, with_paper=args.paper)
     for table in tables:
         print(to_markdown(table, with_paper=args.paper))
+    listed = {m.name for table in tables for m in table.missing}
+    if any(m.name not in listed for m in missing):  # cells of tasks no table shows yet
+        print(missing_markdown([m for m in missing if m.name not in listed]))
     print(f"tables (md, tex, csv): {out}")
     if args.paper:  # the paper's CAPO ablation has no (backbone, frames, R) to match: side by side
         from .report.collect import capo_ablation_markdown, capo_ablation_rows, write_capo_ablation
@@ -138,9 +210,14 @@ def cmd_tables(args) -> int:
 
 
 def cmd_plots(args) -> int:
+    from .report.collect import missing_cells
     from .report.plots import write_plots
+    from .report.tables import missing_markdown
 
     runs = collected(args)
+    missing = missing_cells(args.run_dir, runs or [])
+    if missing:  # complete cells only are drawn
+        print(missing_markdown(missing))
     if runs is None:
         return 1
     out = Path(args.out) if args.out else Path(args.run_dir[0]) / "plots"
@@ -164,18 +241,8 @@ def cmd_demo(args) -> int:
             raise SystemExit(f"resadapt-eval demo: card {name} has no needle_data (the demo runs needle cards)")
         out = Path(args.out).resolve() / name
         print(f"== {name}: first {args.limit} test videos -> {out}")
-        sweep = argparse.Namespace(
-            card=str(card_path),
-            methods=args.methods,
-            retention=args.retention,
-            frames=None,
-            tasks=None,
-            output=str(out),
-            launcher=None,
-            model_args=None,
-            limit=args.limit,
-            max_failed_fraction=0.0,
-            rerun_changed=False,
+        sweep = sweep_arguments(
+            card=str(card_path), methods=args.methods, retention=args.retention, output=str(out), limit=args.limit
         )
         card_status = cmd_sweep(sweep)
         if card_status == 2:  # the output holds cells of another configuration: no tables of stale cells
@@ -518,6 +585,117 @@ def cmd_profile(args) -> int:
     return 0
 
 
+def add_sweep_arguments(p: argparse.ArgumentParser) -> None:
+    """`resadapt-eval sweep`'s arguments (the demo's sweeps take their defaults from here too)."""
+    from .cluster.settings import FLAGS, SCALAR_KEYS, SlurmSettings
+
+    p.add_argument("--card", required=True, help="model card YAML (model_cards/)")
+    p.add_argument(
+        "--methods",
+        default=HF_METHODS,
+        help="comma-separated methods (default: every method of the HF classes; evs runs under .venv-vllm)",
+    )
+    p.add_argument("--retention", default="0.25,0.1", help="comma-separated target retentions")
+    p.add_argument("--frames", default=None, help="comma-separated max_num_frames (default: the card's)")
+    p.add_argument("--tasks", default=None, help="comma-separated lmms-eval tasks (default: the card's)")
+    p.add_argument("--output", required=True, help="run directory (one folder per cell)")
+    p.add_argument("--launcher", default=None, help='e.g. "accelerate launch --num_processes 8" for data parallel')
+    p.add_argument(
+        "--model-args",
+        default=None,
+        help="k=v,... added to the card's model_args for every cell (e.g. kv_cache_memory_bytes=67108864 for evs); "
+        "allocator=PATH replaces the card's Allocator",
+    )
+    p.add_argument("--limit", type=int, default=None, help="lmms-eval --limit (samples per task; for testing)")
+    p.add_argument(
+        "--max-failed-fraction",
+        type=float,
+        default=0.0,
+        help="a cell with more failed samples than this fraction is reported failed (default 0: any failure)",
+    )
+    p.add_argument(
+        "--rerun-changed",
+        action="store_true",
+        help="recompute finished cells whose configuration changed (default: stop and name the change)",
+    )
+    p.add_argument(
+        "--retries",
+        type=int,
+        default=0,
+        help="run a cell that failed, or whose job died, again up to N times (default 0)",
+    )
+    p.add_argument(
+        "--executor",
+        choices=("local", "slurm"),
+        default="local",
+        help="local: one cell after another here (default); slurm: one submitit job per cell (docs/cluster.md)",
+    )
+    p.add_argument(
+        "--slurm-local",
+        action="store_true",
+        help="with --executor slurm: run the same jobs with submitit's local executor, each cell a separate "
+        "process here; the command waits, and ends them when it is interrupted",
+    )
+    p.add_argument(
+        "--wait",
+        action="store_true",
+        help="with --executor slurm: watch the jobs to the end, resubmitting failed cells up to --retries times "
+        "(default: return once they are submitted)",
+    )
+    p.add_argument(
+        "--max-parallel",
+        type=int,
+        default=None,
+        help="with --executor slurm: at most N cells at once (default: no cap on SLURM, 1 with --slurm-local)",
+    )
+    defaults = SlurmSettings()
+    helps = {
+        "partition": "SLURM partition (several: comma-separated)",
+        "gpus_per_node": f"GPUs of each cell's job (default {defaults.gpus_per_node}; --launcher spreads the cell "
+        "over them)",
+        "nodes": "nodes of each cell's job: 1 (one lmms-eval run spans one node)",
+        "cpus_per_task": "CPUs of each cell's job",
+        "mem_gb": "memory of each cell's job in GB",
+        "timeout_min": f"time limit of each cell's job in minutes (default {defaults.timeout_min})",
+        "account": "SLURM account",
+        "qos": "SLURM quality of service",
+    }
+    types = {"gpus_per_node": int, "nodes": int, "cpus_per_task": int, "mem_gb": float, "timeout_min": int}
+    for key in SCALAR_KEYS:
+        p.add_argument(
+            FLAGS[key],
+            dest=f"slurm_{key}",
+            type=types.get(key, str),
+            default=None,
+            help=f"{helps[key]} (overrides the card's slurm.{key})",
+        )
+    p.add_argument(
+        "--slurm-option",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="another submitit SLURM parameter, e.g. constraint=a100 or exclude=node7 (repeatable; card slurm.options)",
+    )
+    p.add_argument(
+        "--slurm-additional",
+        action="append",
+        default=[],
+        metavar="FLAG=VALUE",
+        help="a raw sbatch flag submitit passes on unchecked, e.g. reservation=paper (repeatable; "
+        "card slurm.additional)",
+    )
+
+
+def sweep_arguments(**values) -> argparse.Namespace:
+    """`resadapt-eval sweep`'s arguments: its defaults with `values` on top."""
+    parser = argparse.ArgumentParser()
+    add_sweep_arguments(parser)
+    args = parser.parse_args(["--card", str(values["card"]), "--output", str(values["output"])])
+    for key, value in values.items():
+        setattr(args, key, value)
+    return args
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="resadapt-eval", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -561,38 +739,29 @@ def main(argv: list[str] | None = None) -> int:
     p.set_defaults(func=cmd_demo)
 
     p = sub.add_parser(
-        "sweep", help="run a (method x retention x frames) grid through lmms-eval, one process per cell, resumable"
+        "sweep",
+        help="run a (method x retention x frames) grid through lmms-eval, one process per cell, resumable: here, "
+        "or as SLURM jobs through submitit",
     )
-    p.add_argument("--card", required=True, help="model card YAML (model_cards/)")
-    p.add_argument(
-        "--methods",
-        default=HF_METHODS,
-        help="comma-separated methods (default: every method of the HF classes; evs runs under .venv-vllm)",
-    )
-    p.add_argument("--retention", default="0.25,0.1", help="comma-separated target retentions")
-    p.add_argument("--frames", default=None, help="comma-separated max_num_frames (default: the card's)")
-    p.add_argument("--tasks", default=None, help="comma-separated lmms-eval tasks (default: the card's)")
-    p.add_argument("--output", required=True, help="run directory (one folder per cell)")
-    p.add_argument("--launcher", default=None, help='e.g. "accelerate launch --num_processes 8" for data parallel')
-    p.add_argument(
-        "--model-args",
-        default=None,
-        help="k=v,... added to the card's model_args for every cell (e.g. kv_cache_memory_bytes=67108864 for evs); "
-        "allocator=PATH replaces the card's Allocator",
-    )
-    p.add_argument("--limit", type=int, default=None, help="lmms-eval --limit (samples per task; for testing)")
-    p.add_argument(
-        "--max-failed-fraction",
-        type=float,
-        default=0.0,
-        help="a cell with more failed samples than this fraction is reported failed (default 0: any failure)",
-    )
-    p.add_argument(
-        "--rerun-changed",
-        action="store_true",
-        help="recompute finished cells whose configuration changed (default: stop and name the change)",
-    )
+    add_sweep_arguments(p)
     p.set_defaults(func=cmd_sweep)
+
+    p = sub.add_parser(
+        "sweep-status",
+        help="the state of every cell of a sweep folder (asking SLURM about submitted jobs) and a progress bar; "
+        "exit 1 while any cell has failed for good",
+    )
+    p.add_argument("run_dir", help="the sweep's --output")
+    p.add_argument(
+        "--watch",
+        nargs="?",
+        type=float,
+        const=30.0,
+        default=None,
+        metavar="SECONDS",
+        help="refresh every SECONDS (default 30) until no cell is queued, running or retrying",
+    )
+    p.set_defaults(func=cmd_sweep_status)
 
     for name, func, help_text in (
         ("tables", cmd_tables, "the paper's tables (md, tex, csv) from a run directory"),

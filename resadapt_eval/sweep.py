@@ -3,20 +3,28 @@ process per cell, resumable.
 
 Each cell writes `<output>/<cell>/cell.json` last: `status` is `done` (lmms-eval wrote its
 results and no more than `max_failed_fraction` of its samples failed) or `failed` (with the first
-errors). A re-run skips `done` cells and runs the rest again from scratch, so a killed sweep loses
-at most the cell it was in. A cell is keyed by everything that determines its result (the card,
-the cell, its model_args, tasks, limit and the package version): a `done` cell computed under
-another configuration is never reused; the sweep stops and names what changed, or, with
-`rerun_changed`, computes it again.
+errors and the log's path). A re-run skips `done` cells and runs the rest again from scratch, so a
+killed sweep loses at most the cells it was running. A cell is keyed by everything that determines
+its result (the card, the cell, its model_args, tasks, limit and the package version): a `done`
+cell computed under another configuration is never reused; the sweep stops and names what
+changed, or, with `rerun_changed`, computes it again.
+
+Beside it, `submitted.json` (written when the sweep starts or submits the cell: executor, job id,
+attempt) and `started.json` (written by the cell's process: pid, host, time); `<output>/sweep.json`
+lists every cell the sweep commands asked for, so a report can name the ones still missing.
+`run_sweep` runs the cells here, one after another; `cluster.jobs.submit_sweep` submits them as
+submitit jobs (SLURM, or submitit's local executor). Either way each lmms-eval run is in its own
+process group, ended with the process that started it (`cluster.guard`).
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import os
 import shlex
 import shutil
-import subprocess
+import socket
 import sys
 import time
 from dataclasses import asdict, dataclass, field, replace
@@ -24,11 +32,18 @@ from pathlib import Path
 
 import yaml
 
-from .lmms.manifests import BACKBONES
+from .cluster.guard import ENDED_EXIT, run_guarded
+from .cluster.settings import CARD_KEYS as SLURM_KEYS
 from .manifest import read_manifests, versions, write_json
-from .methods import METHODS, NO_RETENTION, get_method
+
+# The method registry and the lmms-eval model names are imported where they are used: a cell's
+# job process (cluster/jobs.py) needs neither, and would otherwise load torch before its cell starts.
 
 CELL_FILE = "cell.json"
+JOB_FILE = "submitted.json"  # the sweep's: executor, job id, attempt (kept when the cell starts over)
+STARTED_FILE = "started.json"  # the cell process's: pid, host, start time
+PLAN_FILE = "sweep.json"  # in the sweep folder: every cell asked for
+LOG_FILE = "lmms_eval.log"
 # model_args every cell sets itself, and where a sweep takes them instead
 CELL_MODEL_ARGS = {
     "pretrained": "the card's `pretrained:`",
@@ -48,7 +63,9 @@ class ModelCard:
     lmms-eval --gen_kwargs; tasks / include_path: default tasks and where custom tasks live;
     paper_backbone: the paper's name for this backbone (for `tables --paper`); description: Markdown;
     needle_data: a needle test split the card's task reads, written before the sweep when missing
-    (`variant`, `out` (folder, relative to the card), `videos`, `cue`; see `ensure_needle_data`).
+    (`variant`, `out` (folder, relative to the card), `videos`, `cue`; see `ensure_needle_data`);
+    slurm: the jobs' SLURM settings for `sweep --executor slurm` (`cluster.settings.SlurmSettings`;
+    not part of a cell's configuration: where a cell runs does not change its result).
     """
 
     name: str
@@ -63,6 +80,7 @@ class ModelCard:
     paper_backbone: str | None = None
     description: str = ""
     needle_data: dict | None = None
+    slurm: dict = field(default_factory=dict)
 
 
 def load_card(path: str | Path) -> ModelCard:
@@ -79,6 +97,8 @@ def load_card(path: str | Path) -> ModelCard:
     for required in ("name", "backbone", "pretrained"):
         if required not in raw:
             raise ValueError(f"{path}: missing `{required}`")
+    from .lmms.manifests import BACKBONES
+
     if raw["backbone"] not in BACKBONES:
         raise ValueError(f"{path}: backbone must be one of {sorted(BACKBONES)}, got {raw['backbone']!r}")
 
@@ -103,6 +123,12 @@ def load_card(path: str | Path) -> ModelCard:
             raise ValueError(f"{path}: needle_data takes variant, out, videos, cue (out required); got {sorted(data)}")
         data["out"] = str((path.parent / data["out"]).resolve())
         raw["needle_data"] = data
+    raw["slurm"] = raw.get("slurm") or {}
+    if not isinstance(raw["slurm"], dict) or set(raw["slurm"]) - set(SLURM_KEYS):
+        raise ValueError(
+            f"{path}: slurm takes a mapping of SLURM settings with keys {list(SLURM_KEYS)} (docs/cluster.md), "
+            f"got {raw['slurm']!r}"
+        )
     return ModelCard(**raw)
 
 
@@ -167,6 +193,8 @@ class Cell:
 def plan_cells(methods: list[str], retentions: list[float], frames: list[int]) -> list[Cell]:
     """The grid: every method at every retention and frame count; methods without a retention
     target (vanilla) once per frame count."""
+    from .methods import METHODS, NO_RETENTION
+
     unknown = [m for m in methods if m not in METHODS]
     if unknown:
         raise ValueError(f"unknown methods {unknown}; known methods: {', '.join(METHODS)}")
@@ -182,10 +210,10 @@ def plan_cells(methods: list[str], retentions: list[float], frames: list[int]) -
 
 def cell_config(card: ModelCard, cell: Cell, tasks: list[str], limit: int | None) -> dict:
     """Everything that determines a cell's result: the card's contents, the cell, its tasks and
-    limit, and the package version (not the launcher: 1 and N processes give the same result)."""
-    return dict(
-        card=asdict(card), cell=asdict(cell), tasks=list(tasks), limit=limit, version=versions()["resadapt-eval"]
-    )
+    limit, and the package version (not the launcher or the card's SLURM settings: 1 and N
+    processes, here or on a cluster, give the same result)."""
+    contents = {k: v for k, v in asdict(card).items() if k != "slurm"}
+    return dict(card=contents, cell=asdict(cell), tasks=list(tasks), limit=limit, version=versions()["resadapt-eval"])
 
 
 def config_key(config: dict) -> str:
@@ -206,6 +234,8 @@ def config_changes(old: dict, new: dict, prefix: str = "") -> list[str]:
 
 def cell_model_args(card: ModelCard, cell: Cell) -> tuple[str, dict]:
     """The lmms-eval model name and model_args of one cell."""
+    from .methods import get_method
+
     model = get_method(cell.method).model_names(card.backbone)[0]
     args = dict(pretrained=card.pretrained, method=cell.method, max_num_frames=cell.frames, **card.model_args)
     if cell.retention is not None:
@@ -273,13 +303,80 @@ def cell_command(
     return cmd
 
 
-def read_cell(cell_dir: Path) -> dict | None:
-    path = cell_dir / CELL_FILE
+def read_json(path: Path) -> dict | None:
     return json.loads(path.read_text()) if path.is_file() else None
+
+
+def read_cell(cell_dir: Path) -> dict | None:
+    return read_json(cell_dir / CELL_FILE)
 
 
 class ChangedCells(ValueError):
     """The output holds finished cells computed under another configuration."""
+
+
+def check_sweep(card: ModelCard, cells: list[Cell], tasks: list[str], max_failed_fraction: float) -> None:
+    """ValueError for a sweep no cell of which could give a result."""
+    from .methods import get_method
+
+    if not tasks:
+        raise ValueError("no tasks: pass --tasks or list them in the card")
+    if not 0 <= max_failed_fraction <= 1:
+        raise ValueError(f"max_failed_fraction must be in [0, 1], got {max_failed_fraction}")
+    needs = sorted({c.method for c in cells if get_method(c.method).needs_allocator})
+    if needs and not card.allocator:
+        raise ValueError(
+            f"card {card.name} has no `allocator:`; {', '.join(needs)} cells need an Allocator checkpoint "
+            "(or `allocator: untrained` to run the untrained one on purpose)"
+        )
+
+
+def sweep_configs(
+    card: ModelCard, cells: list[Cell], tasks: list[str], output: Path, limit: int | None, rerun_changed: bool
+) -> tuple[dict[Cell, dict], dict[Cell, dict]]:
+    """Each cell's configuration, and the records of the cells already done under it. A done cell
+    of another configuration raises `ChangedCells` naming what changed, unless `rerun_changed`."""
+    configs = {c: cell_config(card, c, tasks, limit) for c in cells}
+    previous = {c: read_cell(output / c.name) or {} for c in cells}
+    reusable = {
+        c: previous[c]
+        for c in cells
+        if previous[c].get("status") == "done" and previous[c].get("key") == config_key(configs[c])
+    }
+    changed = [c for c in cells if previous[c].get("status") == "done" and c not in reusable]
+    if changed and not rerun_changed:
+        example = config_changes(previous[changed[0]].get("config") or {}, configs[changed[0]])
+        raise ChangedCells(
+            f"{output} holds {len(changed)} finished cell(s) computed under another configuration "
+            f"({', '.join(c.name for c in changed)}); {changed[0].name} changed: {'; '.join(example[:6])}. "
+            "Use another --output, or --rerun-changed to compute them again"
+        )
+    return configs, reusable
+
+
+def write_plan(output: Path, card: ModelCard, cells: list[Cell], tasks: list[str]) -> None:
+    """Add the cells to `<output>/sweep.json` (every cell any sweep command into `output` asked for)."""
+    plan = read_json(output / PLAN_FILE) or {"cells": {}}
+    for cell in cells:
+        plan["cells"][cell.name] = dict(card=card.name, backbone=card.backbone, **asdict(cell), tasks=list(tasks))
+    write_json(output / PLAN_FILE, plan)
+
+
+def write_marker(cell_dir: Path, executor: str, job_id: str | None, attempt: int, attempts: int, key: str, **extra):
+    """The cell's `submitted.json`: which executor runs it under which job id, its attempt of
+    `attempts` in this sweep command, its configuration key; the previous attempts' markers in
+    `history`."""
+    previous = read_json(cell_dir / JOB_FILE)
+    history = [] if previous is None else [*previous.pop("history", []), previous]
+    marker = dict(
+        executor=executor, job_id=job_id, attempt=attempt, attempts=attempts, key=key, submitted=time.time(), **extra
+    )
+    write_json(cell_dir / JOB_FILE, {**marker, "history": history[-10:]})
+    return marker
+
+
+def this_process() -> dict:
+    return dict(pid=os.getpid(), host=socket.gethostname())
 
 
 def run_sweep(
@@ -291,45 +388,38 @@ def run_sweep(
     limit: int | None = None,
     max_failed_fraction: float = 0.0,
     rerun_changed: bool = False,
+    retries: int = 0,
     echo=print,
 ) -> list[dict]:
-    """Run every unfinished cell; returns each cell's record (done, failed or skipped).
+    """Run every unfinished cell here, one after another; returns each cell's record (done,
+    failed or skipped).
 
     A cell is done when lmms-eval wrote its results and at most `max_failed_fraction` of its
-    samples failed (0: any failed sample fails the cell). A done cell of another configuration
-    raises `ChangedCells` naming what changed, unless `rerun_changed`."""
-    if not tasks:
-        raise ValueError("no tasks: pass --tasks or list them in the card")
-    if not 0 <= max_failed_fraction <= 1:
-        raise ValueError(f"max_failed_fraction must be in [0, 1], got {max_failed_fraction}")
-    needs = sorted({c.method for c in cells if get_method(c.method).needs_allocator})
-    if needs and not card.allocator:
-        raise ValueError(
-            f"card {card.name} has no `allocator:`; {', '.join(needs)} cells need an Allocator checkpoint "
-            "(or `allocator: untrained` to run the untrained one on purpose)"
-        )
+    samples failed (0: any failed sample fails the cell); a failed cell runs again up to `retries`
+    times. A done cell of another configuration raises `ChangedCells` naming what changed, unless
+    `rerun_changed`."""
+    check_sweep(card, cells, tasks, max_failed_fraction)
     output.mkdir(parents=True, exist_ok=True)
-    configs = {c: cell_config(card, c, tasks, limit) for c in cells}
-    previous = {c: read_cell(output / c.name) or {} for c in cells}
-    reusable = {
-        c for c in cells if previous[c].get("status") == "done" and previous[c].get("key") == config_key(configs[c])
-    }
-    changed = [c for c in cells if previous[c].get("status") == "done" and c not in reusable]
-    if changed and not rerun_changed:
-        example = config_changes(previous[changed[0]].get("config") or {}, configs[changed[0]])
-        raise ChangedCells(
-            f"{output} holds {len(changed)} finished cell(s) computed under another configuration "
-            f"({', '.join(c.name for c in changed)}); {changed[0].name} changed: {'; '.join(example[:6])}. "
-            "Use another --output, or --rerun-changed to compute them again"
-        )
+    configs, reusable = sweep_configs(card, cells, tasks, output, limit, rerun_changed)
+    write_plan(output, card, cells, tasks)
     todo = [c for c in cells if c not in reusable]
     echo(f"sweep {card.name}: {len(cells)} cells, {len(reusable)} already done, {len(todo)} to run -> {output}")
     records, started, ran = [], time.perf_counter(), 0
     for cell in cells:
         if cell in reusable:
-            records.append(previous[cell])
+            records.append(reusable[cell])
             continue
-        record = run_cell(card, cell, tasks, output / cell.name, configs[cell], launcher, limit, max_failed_fraction)
+        for attempt in range(1, retries + 2):
+            cell_dir = output / cell.name
+            cell_dir.mkdir(parents=True, exist_ok=True)
+            key = config_key(configs[cell])
+            write_marker(cell_dir, "local", None, attempt, retries + 1, key, sweep=this_process())
+            command = cell_command(card, cell, tasks, cell_dir, launcher, limit)
+            job = dict(executor="local", job_id=None)
+            record = run_cell(card, cell, tasks, cell_dir, configs[cell], command, max_failed_fraction, job=job)
+            if record["status"] == "done" or attempt > retries:
+                break
+            echo(f"{cell.name}: failed (attempt {attempt} of {retries + 1}), running it again: {record['error']}")
         records.append(record)
         ran += 1
         elapsed = time.perf_counter() - started
@@ -343,8 +433,20 @@ def run_sweep(
         )
     failed = [r for r in records if r["status"] == "failed"]
     for r in failed:
-        echo(f"failed cell {r['cell']} (see {r['cell']}/cell.json and lmms_eval.log):\n{r['error']}")
+        echo(f"failed cell {r['cell']} (see {r['cell']}/cell.json and {LOG_FILE}):\n{r['error']}")
     return records
+
+
+def clear_cell_dir(cell_dir: Path) -> None:
+    """An empty cell folder but for its `submitted.json`: a failed, interrupted or changed cell starts over."""
+    cell_dir.mkdir(parents=True, exist_ok=True)
+    for path in cell_dir.iterdir():
+        if path.name == JOB_FILE:
+            continue
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path)
+        else:
+            path.unlink()
 
 
 def run_cell(
@@ -353,25 +455,31 @@ def run_cell(
     tasks: list[str],
     cell_dir: Path,
     config: dict,
-    launcher: str | None,
-    limit: int | None,
+    cmd: list[str],
     max_failed_fraction: float,
+    watch: tuple[int, ...] = (),
+    job: dict | None = None,
 ) -> dict:
-    """Run one cell from scratch and write its `cell.json` (last)."""
-    if cell_dir.exists():
-        shutil.rmtree(cell_dir)  # a failed, interrupted or changed cell starts over
-    cell_dir.mkdir(parents=True)
-    cmd = cell_command(card, cell, tasks, cell_dir, launcher, limit)
+    """Run one cell from scratch (its lmms-eval command line `cmd`, `cell_command`) and write its
+    `cell.json` (last). The lmms-eval run is in its own process group, ended when this process or a
+    `watch` process ends (`cluster.guard`); `job` (executor, job id) goes into the record with this
+    process's pid and host."""
+    clear_cell_dir(cell_dir)
+    job = {**(job or {}), **this_process()}
+    write_json(cell_dir / STARTED_FILE, dict(job, started=time.time()))
+    log = cell_dir / LOG_FILE
     t0 = time.perf_counter()
-    proc = subprocess.run(cmd, capture_output=True, text=True)
+    returncode = run_guarded(cmd, log, watch)
     seconds = time.perf_counter() - t0
-    (cell_dir / "lmms_eval.log").write_text(proc.stdout + proc.stderr)
+    output = log.read_text(errors="replace")
     results = sorted(cell_dir.rglob("*_results.json"))
     runs = read_manifests(cell_dir)
     samples = sum(m["samples"] for m in runs)
     failed_samples = sum(m["failed_samples"] for m in runs)
-    if proc.returncode != 0 or not results or not runs:
-        error = _error_tail(proc)
+    if returncode == ENDED_EXIT:
+        error = "interrupted: " + (output.strip().splitlines() or ["the guard ended the run"])[-1]
+    elif returncode != 0 or not results or not runs:
+        error = _error_tail(output, returncode)
     elif samples == 0:
         error = "no samples were answered"
     elif failed_samples > max_failed_fraction * samples:
@@ -394,6 +502,9 @@ def run_cell(
         command=cmd,
         results=str(results[-1].relative_to(cell_dir)) if results else None,
         error=error,
+        interrupted=returncode == ENDED_EXIT,
+        log=str(log),
+        job=job,
         key=config_key(config),
         config=config,
     )
@@ -401,9 +512,9 @@ def run_cell(
     return record
 
 
-def _error_tail(proc: subprocess.CompletedProcess, lines: int = 20) -> str:
+def _error_tail(output: str, returncode: int, lines: int = 20) -> str:
     """The end of a failed cell's output; lmms-eval may exit 0 after an error, so the lines
     mentioning an error come first."""
-    text = (proc.stdout + proc.stderr).splitlines()
+    text = output.splitlines()
     errors = [line for line in text if "Error" in line or "error" in line]
-    return "\n".join((errors or text)[-lines:]) or f"exit code {proc.returncode}"
+    return "\n".join((errors or text)[-lines:]) or f"exit code {returncode}"

@@ -13,7 +13,7 @@ from resadapt_eval.report.collect import collect, collect_dirs
 from resadapt_eval.report.plots import pareto_lines, write_plots
 from resadapt_eval.report.tables import build_tables, to_latex, to_markdown
 
-from .conftest import REPO
+from .helpers import REPO
 
 CARD = REPO / "model_cards" / "tiny-qwen25vl.yaml"
 

@@ -236,6 +236,22 @@ def collect_dirs(run_dirs: list[str | Path], include_failed: bool = False) -> li
     return runs
 
 
+def missing_cells(run_dirs: list[str | Path], runs: list[CellRun] = ()) -> list:
+    """The cells these sweep folders asked for (`sweep.json`) or hold that are not complete, from
+    their files alone (`cluster.status.CellState`: failed with its reason, submitted, not started,
+    ...), less those complete in another of the folders (`runs`, a sweep run in parts): what a
+    report lists under its tables, never draws."""
+    from ..cluster.status import COMPLETE, cell_states
+
+    complete = {(r.card, r.method, r.frames, r.retention) for r in runs if r.status == "done"}
+    return [
+        state
+        for run_dir in run_dirs
+        for state in cell_states(run_dir, ask_scheduler=False)
+        if state.state != COMPLETE and (state.card, state.method, state.frames, state.retention) not in complete
+    ]
+
+
 # --- table:capo_dist_ablation (`tables --paper`) -----------------------------------------------
 # The paper states no backbone, frames or R for it, so a cell is not matched to a paper row: the
 # paper's two rows and every ResAdapt cell with a known policy family sit side by side, no deltas.

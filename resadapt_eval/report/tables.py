@@ -2,7 +2,9 @@
 transfer; Markdown, LaTeX (booktabs) and CSV, achieved R and mean TFLOPs per sample on every row,
 best of each group in bold.
 A cell with more failed samples than its sweep allowed shows `failed k/n` instead of scores (the
-CSV: empty scores, its status and counts); rows of the untrained Allocator say so.
+CSV: empty scores, its status and counts); rows of the untrained Allocator say so. The cells of a
+sweep that are not complete (failed, still running, not started) are listed under the Markdown
+table, never shown as a score.
 
 Rows are (card, frames, method, target R); a group is the rows sharing card, frames and target R
 (vanilla is its own group). `paper=True` adds, for every score, the paper's number for the same
@@ -17,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..methods import METHODS
-from .collect import CellRun
+from .collect import CellRun, table_of
 
 TABLES = {"video_qa": "Video QA", "temporal_grounding": "Temporal grounding", "image": "Image transfer"}
 PAPER_R_TOLERANCE = 5.0  # percentage points between our target R and the paper row's R
@@ -29,6 +31,7 @@ class Table:
     title: str
     columns: list[str]
     rows: list[dict] = field(default_factory=list)  # card, frames, method, target, R, <column>: score, paper_<column>
+    missing: list = field(default_factory=list)  # cluster.status.CellState of the sweep's cells not complete
 
     def groups(self) -> dict[tuple, list[dict]]:
         out: dict[tuple, list[dict]] = {}
@@ -50,13 +53,14 @@ class Table:
         return marks
 
 
-def build_tables(runs: list[CellRun], paper_dir: Path | None = None) -> list[Table]:
+def build_tables(runs: list[CellRun], paper_dir: Path | None = None, missing: list = ()) -> list[Table]:
+    """The tables of `runs`; each lists the `missing` cells (collect.missing_cells) of its tasks."""
     tables = []
     for name, title in TABLES.items():
         columns = list(dict.fromkeys(c for run in runs for c in run.columns_by_table.get(name, [])))
         if not columns:
             continue
-        table = Table(name, title, columns)
+        table = Table(name, title, columns, missing=[m for m in missing if name in {table_of(t) for t in m.tasks}])
         order = list(METHODS)  # the registry's order is the paper's row order
         ordered = sorted(
             (r for r in runs if name in r.columns_by_table),
@@ -163,6 +167,27 @@ def to_markdown(table: Table, with_paper: bool = False) -> str:
                 j = _score_index(table, col, with_paper)
                 cells[j] = f"**{cells[j]}**"
         lines.append("| " + " | ".join(cells) + " |")
+    if table.missing:
+        lines += ["", missing_markdown(table.missing).rstrip("\n")]
+    return "\n".join(lines) + "\n"
+
+
+def missing_markdown(missing: list) -> str:
+    """The cells not complete, one line each: grid point, state, job and the first line of why."""
+    lines = [f"Missing cells ({len(missing)}; not complete, never shown as a score):"]
+    for m in missing:
+        point = ", ".join(
+            part
+            for part in (
+                m.method,
+                None if m.retention is None else f"R={m.retention:g}",
+                None if m.frames is None else f"{m.frames} frames",
+            )
+            if part
+        )
+        job = f", job {m.job_id}" if m.job_id else ""
+        why = f": {m.reason.strip().splitlines()[0]}" if m.reason else ""
+        lines.append(f"- {m.name} ({point or 'unknown cell'}): {m.state}{job}{why}")
     return "\n".join(lines) + "\n"
 
 
