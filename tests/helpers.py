@@ -328,3 +328,14 @@ def tiny_train_config(tmp_path, fixtures_dir, **train_overrides) -> Path:
     path = tmp_path / "train.yaml"
     path.write_text(yaml.safe_dump(config))
     return path
+
+
+def train_cli(*args, timeout: int = 900) -> subprocess.CompletedProcess:
+    """`resadapt-eval train ARGS` in a fresh process, from the repository root."""
+    return subprocess.run(
+        [sys.executable, "-m", "resadapt_eval.cli", "train", *args],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )

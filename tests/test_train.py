@@ -22,25 +22,13 @@ def test_simulated_ablation_reproduces_the_papers_findings():
 
 
 import json  # noqa: E402
-import subprocess  # noqa: E402
-import sys  # noqa: E402
 
 import torch  # noqa: E402
 import yaml  # noqa: E402
 
 from resadapt_eval.allocator import Allocator  # noqa: E402
 
-from .helpers import REPO, run_lmms_eval, sidecar_records, tiny_train_config  # noqa: E402
-
-
-def train_cli(*args):
-    return subprocess.run(
-        [sys.executable, "-m", "resadapt_eval.cli", "train", *args],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+from .helpers import run_lmms_eval, sidecar_records, tiny_train_config, train_cli  # noqa: E402
 
 
 def test_train_cli_checkpoints_resumes_and_the_checkpoint_runs_in_lmms_eval(fixtures_dir, tmp_path):

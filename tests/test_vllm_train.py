@@ -2,8 +2,6 @@
 vLLM environment: `make test-vllm`)."""
 
 import json
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -18,7 +16,7 @@ from resadapt_eval.train.data import load_samples  # noqa: E402
 from resadapt_eval.train.engines import HFRolloutEngine  # noqa: E402
 from resadapt_eval.train.vllm_rollouts import VLLMRolloutEngine  # noqa: E402
 
-from .helpers import REPO  # noqa: E402
+from .helpers import tiny_train_config, train_cli  # noqa: E402
 
 KV_CACHE_BYTES = 64 << 20  # vLLM on CPU otherwise reserves most of the machine's memory
 FRAMES = 8
@@ -98,25 +96,12 @@ def test_generate_answers_n_per_request_in_one_call(adapters, vllm_backbone, fix
 
 
 def train_config(tmp_path, fixtures_dir):
-    config = yaml.safe_load((REPO / "configs" / "train_tiny.yaml").read_text())
-    config["output_dir"] = str(tmp_path / "run")
-    config["data"] = str(fixtures_dir / "smoke_videoqa" / "train.jsonl")
-    config["backbone"]["pretrained"] = str(fixtures_dir / "qwen25vl")
+    """configs/train_tiny.yaml on the vLLM engine: 5 steps of 2 prompts x M 4 x N 2."""
+    path = tiny_train_config(tmp_path, fixtures_dir, steps=5, rollouts_per_allocation=2, save_every=1)
+    config = yaml.safe_load(path.read_text())
     config["rollout"].update(engine="vllm", vllm=dict(kv_cache_memory_bytes=KV_CACHE_BYTES, **SEEDED_ON_CPU))
-    config["train"].update(steps=5, rollouts_per_allocation=2, save_every=1)
-    path = tmp_path / "train.yaml"
     path.write_text(yaml.safe_dump(config))
     return path
-
-
-def train_cli(*args):
-    return subprocess.run(
-        [sys.executable, "-m", "resadapt_eval.cli", "train", *args],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
 
 
 def test_train_runs_capo_steps_on_the_vllm_engine_resumes_and_the_checkpoint_loads(fixtures_dir, tmp_path):
