@@ -2,6 +2,8 @@
 vLLM environment: `make test-vllm`)."""
 
 import json
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -132,3 +134,46 @@ def test_train_runs_capo_steps_on_the_vllm_engine_resumes_and_the_checkpoint_loa
         sidecar_dir=str(tmp_path / "sidecars"),
     )
     assert model.pipeline.allocator is not None
+
+
+def test_two_processes_each_with_its_own_engine_train_as_one(fixtures_dir, tmp_path):
+    """`accelerate launch` with 2 CPU processes (gloo): each process runs its own vLLM engine on its
+    share of every step's prompts; with choice_logits the per-prompt seeds give both runs the same
+    letters, so the same rewards, R and losses (metrics within 1e-6; their clocks and cache counts
+    are measured, not reproduced)."""
+    import os
+
+    from .helpers import free_port
+
+    runs = {}
+    for name in ("one", "two"):
+        (tmp_path / name).mkdir()
+        path = train_config(tmp_path / name, fixtures_dir)
+        config = yaml.safe_load(path.read_text())
+        config["rollout"].update(answer="choice_logits", temperature=1.0)
+        config["train"].update(steps=2, batch_size=4, rollouts_per_allocation=1)
+        path.write_text(yaml.safe_dump(config))
+        runs[name] = (path, tmp_path / name / "run")
+    one = train_cli("--config", str(runs["one"][0]))
+    assert one.returncode == 0, one.stderr[-3000:]
+    launch = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2"]
+    launch += ["--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no"]
+    launch += ["--main_process_port", str(free_port())]
+    two = subprocess.run(
+        [*launch, "-m", "resadapt_eval.cli", "train", "--config", str(runs["two"][0])],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        env=dict(os.environ, ACCELERATE_USE_CPU="true"),
+    )
+    assert two.returncode == 0, two.stderr[-3000:]
+
+    def rows(run):
+        lines = (run / "metrics.jsonl").read_text().splitlines()
+        return [{k: v for k, v in json.loads(line).items() if k not in ("seconds", "cache")} for line in lines]
+
+    m_one, m_two = rows(runs["one"][1]), rows(runs["two"][1])
+    assert [m["step"] for m in m_one] == [m["step"] for m in m_two] == [1, 2]
+    assert all(m["rollouts"] == 4 * 4 for m in m_two)
+    for a, b in zip(m_one, m_two, strict=True):
+        assert b == {k: pytest.approx(v, rel=0, abs=1e-6) for k, v in a.items()}
