@@ -13,7 +13,7 @@ PYTHONPATH=REPO, so neither the shell's cwd nor its PYTHONPATH decides which cod
     .venv/bin/python benchmarks/record_equality.py capture --repo . --out runs/records_after
     .venv/bin/python benchmarks/record_equality.py compare runs/records_before runs/records_after
 
-capture --repo REPO --out DIR [--data DATA] [--needle-limit N] [--parts smoke,needle,chartqa,select]
+capture --repo REPO --out DIR [--data DATA] [--needle-limit N] [--parts smoke,methods,needle,chartqa,select]
     Runs through the real CLIs (`resadapt-eval sweep`, as `python -m resadapt_eval.cli sweep`, and
     `python -m lmms_eval` for the one cell a sweep cannot express), every child with cwd=REPO and
     PYTHONPATH=REPO, so `resadapt_eval` is imported from REPO even though the venv's editable install
@@ -22,6 +22,11 @@ capture --repo REPO --out DIR [--data DATA] [--needle-limit N] [--parts smoke,ne
 
       DIR/smoke-qwen25vl/<cell>   tiny-qwen25vl card, resadapt_smoke_videoqa, 7 methods at R=0.25
       DIR/smoke-qwen3vl/<cell>    tiny-qwen3vl card, same
+      DIR/methods-<backbone>/<cell>  both tiny cards, resadapt_smoke_videoqa, every other HF method: the
+                                  compressors, the two-stage and decode-time ones and FastV at R=0.25,
+                                  PyramidDrop at R=0.5 (its default quarters cannot reach 0.25 on 12
+                                  layers). With `smoke`, every method REPO's registry runs on the HF
+                                  classes (checked: the capture fails naming any method left out)
       DIR/needle-qwen25vl/<cell>  needle card, resadapt_needle, 7 methods at R=0.25, --limit N (100)
       DIR/chartqa-qwen25vl/<cell> tiny-qwen25vl, resadapt_fixture_chartqa: vanilla, fixed_scale R=0.25,
                                   resadapt R=0.25 (sweep) and resadapt without R (lmms-eval directly)
@@ -46,8 +51,9 @@ capture --repo REPO --out DIR [--data DATA] [--needle-limit N] [--parts smoke,ne
 
 compare A B [--only PREFIX,...]
     Matches sidecar records (`resadapt_samples_*_rank*.jsonl`) by (cell folder relative to the
-    capture, task, doc_id); drops time fields (every key ending in `_s`); compares everything else
-    exactly (floats as written, types included). Also compares each cell's status, the `results`
+    capture, task, doc_id); drops measurements (time fields, every key ending in `_s`, and
+    `peak_memory_mb`, on CPU the process's peak RSS); compares everything else exactly (floats as
+    written, types included). Also compares each cell's status, the `results`
     section and the `avg_resadapt_*` throughput totals (time totals excluded) of lmms-eval's
     `*_results.json`, and lmms-eval's logged samples (`*_samples_<task>.jsonl`: the answer in
     `filtered_resps`, `token_counts`, the metric's per-sample value, `input`, `doc_hash`, ...).
@@ -71,7 +77,9 @@ from pathlib import Path
 SCRIPT_REPO = Path(__file__).resolve().parents[1]
 DEFAULT_DATA = Path("/tmp/resadapt_record_data")
 METHODS = "vanilla,fixed_scale,random_drop,tome,visionzip,flashvid,resadapt"
-PARTS = ("smoke", "needle", "chartqa", "select")
+# The `methods` part: every other HF method, by target R (PyramidDrop's default stages need R above 0.25 on 12 layers).
+OTHER_METHODS = {"0.25": "divprune,vidcom2,dycoke,prunevid,fastvid,holitom,fastv", "0.5": "pyramiddrop"}
+PARTS = ("smoke", "methods", "needle", "chartqa", "select")
 SIDECAR_GLOB = "resadapt_samples_*_rank*.jsonl"
 CELL_FILE = "cell.json"
 IMPORT_LOG = "imports.jsonl"
@@ -335,6 +343,20 @@ def cmd_capture(args) -> int:
     if probe.returncode != 0 or not imported or not all(p.startswith(f"{repo}/") for p in imported):
         sys.exit(f"children would not import resadapt_eval from {repo}: {probe.stdout}{probe.stderr}")
     print(f"children import resadapt_eval from {imported[0]}")
+    if {"smoke", "methods"} <= set(parts):  # together they run every method REPO's HF classes run
+        registry = run_child(
+            [
+                sys.executable,
+                "-c",
+                "from resadapt_eval.methods import METHODS; print(*(n for n, m in METHODS.items() if m.hf))",
+            ],
+            repo,
+            env,
+        )
+        captured = set(METHODS.split(",")) | {m for names in OTHER_METHODS.values() for m in names.split(",")}
+        missing = sorted(set(registry.stdout.split()) - captured)
+        if registry.returncode != 0 or missing:
+            sys.exit(f"the smoke and methods parts leave out HF methods of {repo}: {missing or registry.stderr}")
 
     manifest = ensure_data(data, repo, out, args.needle_limit, "needle" in parts)
     fixtures_link = inputs / "fixtures"
@@ -367,6 +389,18 @@ def cmd_capture(args) -> int:
         for backbone in ("qwen25vl", "qwen3vl"):
             card = derive_card(repo, inputs, data, f"tiny-{backbone}", f"smoke-{backbone}")
             timed(f"smoke-{backbone}", lambda: sweep(card, out / f"smoke-{backbone}", repo, env, METHODS, "0.25"))
+    if "methods" in parts:
+        for backbone in ("qwen25vl", "qwen3vl"):
+            card = derive_card(repo, inputs, data, f"tiny-{backbone}", f"methods-{backbone}")
+            timed(
+                f"methods-{backbone}",
+                lambda: all(
+                    [
+                        sweep(card, out / f"methods-{backbone}", repo, env, names, r)
+                        for r, names in OTHER_METHODS.items()
+                    ]
+                ),
+            )
     if "needle" in parts:
         card = derive_card(repo, inputs, data, "needle-qwen25vl", "needle-qwen25vl")
         timed(
@@ -454,7 +488,9 @@ def cmd_capture(args) -> int:
 
 # ---------------------------------------------------------------------------------------- compare
 def is_time_field(key: str) -> bool:
-    return key.endswith("_s")
+    """A measurement of this machine's state, not of the code: seconds (`*_s`), and `peak_memory_mb`
+    (on CPU the process's peak resident set, which moves with whatever else the process loaded)."""
+    return key.endswith("_s") or key == "peak_memory_mb"
 
 
 def same(a, b) -> bool:

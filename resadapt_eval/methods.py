@@ -1,8 +1,10 @@
-"""The method registry: every budget method is declared here once, with its properties and its code.
+"""The method registry: every budget method is declared here once, as a kind plus its code and defaults.
 
 lmms-eval model names (`lmms/manifests.py`), the sweep grid (`sweep.py`), tables and plots
-(`report/`), the CLI defaults and the pipeline's validation all read `METHODS`. Adding a method is
-one module (a scale policy in `budget/policies.py` or a compressor in `baselines/`) plus one
+(`report/`), the CLI defaults and the run spec (`runspec.py`) all read `METHODS`. What a method
+does to a request is its kind's code (`kinds.py`: planning, token rule, input building), run with
+the method's algorithm. Adding a method of an existing kind is one module (a scale policy in
+`budget/policies.py` or a compressor or pruning schedule in `baselines/`) plus one
 `register(Method(...))` call below. Registration order is the paper's row order.
 
 Kept free of lmms-eval imports: the `lmms_eval.models` entry point reads this module while
@@ -31,13 +33,36 @@ from .baselines import (
     visionzip,
 )
 from .budget import policies
+from .kinds import (
+    AFTER_MERGER,
+    BEFORE_ENCODER,
+    COMPRESSOR,
+    COMPRESSOR_THEN_PRUNER,
+    DECODE_PRUNER,
+    ENGINE_PRUNER,
+    IN_ENGINE,
+    IN_LLM_PRUNER,
+    INSIDE_LLM,
+    RESIZE_POLICY,
+    STAGES,
+    MethodKind,
+)
 
-# Where a method acts on the visual budget.
-BEFORE_ENCODER = "before_encoder"  # resizes frames: fewer pixels enter the vision encoder
-AFTER_MERGER = "after_merger"  # encodes the vanilla plan, then drops/merges tokens before the LLM
-INSIDE_LLM = "inside_llm"  # prunes visual tokens between decoder layers
-IN_ENGINE = "in_engine"  # the serving engine drops merged tokens before the LLM (vLLM's video pruning)
-STAGES = (BEFORE_ENCODER, AFTER_MERGER, INSIDE_LLM, IN_ENGINE)
+__all__ = [  # the stage names are re-exported: benchmarks and tests read them from here
+    "AFTER_MERGER",
+    "BEFORE_ENCODER",
+    "IN_ENGINE",
+    "INSIDE_LLM",
+    "METHODS",
+    "NO_RETENTION",
+    "OPTIONAL_RETENTION",
+    "REQUIRED_RETENTION",
+    "RETENTION_RULES",
+    "STAGES",
+    "Method",
+    "get_method",
+    "register",
+]
 
 # What `retention=` means to a method.
 NO_RETENTION = "none"  # the method has no target (vanilla): a retention is an error
@@ -48,70 +73,76 @@ RETENTION_RULES = (NO_RETENTION, OPTIONAL_RETENTION, REQUIRED_RETENTION)
 
 @dataclass(frozen=True)
 class Method:
-    """One budget method.
+    """One budget method: a kind (`kinds.py`) plus its algorithm and defaults.
 
     name: the `method=` value and the stem of its lmms-eval model names (`<name>_<backbone>`);
-    aliases: older model-name stems that still resolve; display_name: its row and legend label;
-    class_stem: the stem of its lmms-eval class names (`<class_stem>Qwen25VL`); stage: where it
-    acts (BEFORE_ENCODER, AFTER_MERGER, INSIDE_LLM); retention: NO/OPTIONAL/REQUIRED_RETENTION;
-    needs_allocator: its scales come from the Allocator (`allocator=`, frame selection);
+    display_name: its row and legend label; class_stem: the stem of its lmms-eval class names
+    (`<class_stem>Qwen25VL`); kind: what it does to a request (`kinds.RESIZE_POLICY`, `COMPRESSOR`,
+    ...), which also decides where it acts (`stage`), the engines that run it (`hf`, `vllm`) and
+    whether it serves images (`images`); retention: NO/OPTIONAL/REQUIRED_RETENTION.
+    The algorithm, in the slots its kind fills (`kinds.SLOTS`; the kind refuses a declaration that
+    leaves one of them empty or fills another): policy: per-frame scales `(num_frames, base_hw,
+    grid, spec) -> (T,)` of a resize policy (None with needs_allocator: the Allocator's scales);
+    compress: `(VisualTokens, keep, seed) -> Compression`; prune: `(num_layers, visual, retention,
+    layers, first_layer) -> [Stage]`, an in-LLM schedule (`baselines/inside_llm.py`: retention is
+    layer-averaged; after a compressor, its own share of the tokens that entered); decode_prune:
+    `(num_layers, visual, retention, first_layer) -> DecodeStage` (`baselines/decode_pruning.py`);
+    engine_pruning: vLLM's `video_pruning_method`, run at `video_pruning_rate` = `pruning_rate(R)`.
+    Defaults: needs_allocator: its scales come from the Allocator (`allocator=`, frame selection);
     needs_attention: its compressor reads the attention received in the last ViT block;
-    hf: the HF classes can run it; vllm: the vLLM engine can run it; images: it serves image
-    requests; in_paper: one of the seven methods the paper compares (the demo's default set).
-    policy: per-frame scales `(num_frames, base_hw, grid, spec) -> (T,)` for methods that do not
-    use the Allocator; compress: `(VisualTokens, keep, seed) -> Compression` for AFTER_MERGER methods;
-    prune: `(num_layers, visual, retention, layers, first_layer) -> [Stage]` for INSIDE_LLM methods
-    (`baselines/inside_llm.py`: retention is layer-averaged), and for an AFTER_MERGER method with
-    a second stage inside the LLM (its own share of the tokens that entered; the compressor keeps
-    what leaves the layer average within R); decode_prune: `(num_layers, visual, retention, first_layer)
-    -> DecodeStage` for an AFTER_MERGER method that also prunes the KV cache while decoding
-    (`baselines/decode_pruning.py`: the prefill, and so R, is the compressor's); engine_pruning: for IN_ENGINE
-    methods, vLLM's `video_pruning_method`, run at `video_pruning_rate` = 1 - retention.
-    prune_layer_count: how many decoder layers `prune_layers=` names for a method with stages
-    inside the LLM (one per stage; None: any number, PyramidDrop's pyramid).
+    prune_layer_count: how many decoder layers `prune_layers=` names (one per stage; None: any
+    number, PyramidDrop's pyramid); aliases: older model-name stems that still resolve; in_paper:
+    one of the seven methods the paper compares (the demo's default set).
     """
 
     name: str
     display_name: str
     class_stem: str
-    stage: str
+    kind: MethodKind
     retention: str
-    needs_allocator: bool = False
-    needs_attention: bool = False
-    hf: bool = True
-    vllm: bool = False
-    images: bool = False
     policy: Callable | None = None
     compress: Callable | None = None
     prune: Callable | None = None
-    engine_pruning: str | None = None
     decode_prune: Callable | None = None
+    engine_pruning: str | None = None
+    needs_allocator: bool = False
+    needs_attention: bool = False
+    prune_layer_count: int | None = 1
     aliases: tuple[str, ...] = ()
     in_paper: bool = False
-    prune_layer_count: int | None = 1
 
     def __post_init__(self):
-        if self.stage not in STAGES:
-            raise ValueError(f"{self.name}: stage must be one of {STAGES}, got {self.stage!r}")
         if self.retention not in RETENTION_RULES:
             raise ValueError(f"{self.name}: retention must be one of {RETENTION_RULES}, got {self.retention!r}")
-        if (self.compress is not None) != (self.stage == AFTER_MERGER):
-            raise ValueError(f"{self.name}: a compressor is what an {AFTER_MERGER} method runs, and only it")
-        if self.decode_prune is not None and self.stage != AFTER_MERGER:
-            raise ValueError(f"{self.name}: only a compressor prunes while decoding")
-        if self.stage == INSIDE_LLM and self.prune is None:
-            raise ValueError(f"{self.name}: an {INSIDE_LLM} method runs a pruning schedule")
-        if self.prune is not None and self.stage not in (AFTER_MERGER, INSIDE_LLM):
-            raise ValueError(f"{self.name}: only a compressor or an {INSIDE_LLM} method has stages inside the LLM")
-        if (self.engine_pruning is not None) != (self.stage == IN_ENGINE):
-            raise ValueError(f"{self.name}: an engine's pruning method is what an {IN_ENGINE} method runs, and only it")
-        if self.stage == IN_ENGINE and (self.hf or not self.vllm):
-            raise ValueError(f"{self.name}: an {IN_ENGINE} method runs on the vLLM engine only")
-        if (self.policy is None) != self.needs_allocator:
-            raise ValueError(f"{self.name}: give a scale policy, or take the scales from the Allocator")
+        self.kind.check(self)
+
+    @property
+    def stage(self) -> str:
+        """Where it acts on the visual budget (`kinds.STAGES`)."""
+        return self.kind.stage
+
+    @property
+    def hf(self) -> bool:
+        """The HF classes run it."""
+        return self.kind.hf
+
+    @property
+    def vllm(self) -> bool:
+        """The vLLM engine runs it."""
+        return self.kind.vllm
+
+    @property
+    def images(self) -> bool:
+        """It serves image requests."""
+        return self.kind.images
+
+    @property
+    def full_budget(self) -> bool:
+        """It keeps every visual token (no retention target): the reference tables compare against."""
+        return self.retention == NO_RETENTION
 
     def pruning_rate(self, retention: float) -> float:
-        """An IN_ENGINE method's `video_pruning_rate` for a target retention R: 1 - R, or the float
+        """An engine-side pruner's `video_pruning_rate` for a target retention R: 1 - R, or the float
         just below it where the engine's 1 - rate falls short of the R meant (0.35 is 7/20, 1/3 is
         1/3: the fraction of denominator at most 10^6 nearest R), so that the engine's int(N (1 -
         rate)) is floor(R N), the most tokens within R, as every compressor here keeps (`kept_count`)."""
@@ -145,107 +176,91 @@ def get_method(name: str) -> Method:
 
 
 def _compressor(
-    name: str,
-    display_name: str,
-    class_stem: str,
-    module,
-    needs_attention: bool = False,
-    in_paper: bool = False,
-    inside_llm: bool = False,
-    decoding: bool = False,
+    name: str, display_name: str, class_stem: str, module, needs_attention: bool = False, in_paper: bool = False
 ) -> Method:
-    """A compressor after the merger (`module.compress`); `inside_llm`: its own LLM stage too (`module.stages`);
-    `decoding`: it also prunes while decoding (`module.decode_stage`)."""
+    """A compressor after the merger (`module.compress`)."""
     return Method(
         name,
         display_name,
         class_stem,
-        AFTER_MERGER,
+        COMPRESSOR,
         REQUIRED_RETENTION,
         compress=module.compress,
-        prune=module.stages if inside_llm else None,
-        decode_prune=module.decode_stage if decoding else None,
-        policy=policies.vanilla,
         needs_attention=needs_attention,
         in_paper=in_paper,
     )
 
 
 def _pruner(name: str, display_name: str, class_stem: str, module, prune_layer_count: int | None = 1) -> Method:
+    """A schedule of stages inside the LLM (`module.stages`)."""
     return Method(
         name,
         display_name,
         class_stem,
-        INSIDE_LLM,
+        IN_LLM_PRUNER,
         REQUIRED_RETENTION,
         prune=module.stages,
-        policy=policies.vanilla,
         prune_layer_count=prune_layer_count,
     )
 
 
-register(
-    Method(
-        "vanilla",
-        "Vanilla",
-        "Vanilla",
-        BEFORE_ENCODER,
-        NO_RETENTION,
-        policy=policies.vanilla,
-        vllm=True,
-        images=True,
-        in_paper=True,
-    )
-)
+register(Method("vanilla", "Vanilla", "Vanilla", RESIZE_POLICY, NO_RETENTION, policy=policies.vanilla, in_paper=True))
 register(_compressor("random_drop", "Random Drop", "RandomDrop", random_drop, in_paper=True))
 register(_compressor("tome", "ToMe", "ToMe", tome, in_paper=True))
 register(_compressor("visionzip", "VisionZip", "VisionZip", visionzip, needs_attention=True, in_paper=True))
 register(_compressor("flashvid", "FlashVid", "FlashVid", flashvid, needs_attention=True, in_paper=True))
 register(_compressor("divprune", "DivPrune", "DivPrune", divprune))
 register(_compressor("vidcom2", "VidCom2", "VidCom2", vidcom2))
-register(_compressor("dycoke", "DyCoke", "DyCoke", dycoke, decoding=True))
-register(_compressor("prunevid", "PruneVid", "PruneVid", prunevid, inside_llm=True))
-register(_compressor("fastvid", "FastVID", "FastVID", fastvid, needs_attention=True))
-register(_compressor("holitom", "HoliTom", "HoliTom", holitom, needs_attention=True, inside_llm=True))
-register(_pruner("fastv", "FastV", "FastV", fastv))
-register(_pruner("pyramiddrop", "PyramidDrop", "PyramidDrop", pyramiddrop, prune_layer_count=None))
 register(
     Method(
-        "evs",
-        "EVS",
-        "EVS",
-        IN_ENGINE,
+        "dycoke",
+        "DyCoke",
+        "DyCoke",
+        DECODE_PRUNER,
         REQUIRED_RETENTION,
-        policy=policies.vanilla,
-        hf=False,
-        vllm=True,
-        engine_pruning="evs",
+        compress=dycoke.compress,
+        decode_prune=dycoke.decode_stage,
     )
 )
+register(
+    Method(
+        "prunevid",
+        "PruneVid",
+        "PruneVid",
+        COMPRESSOR_THEN_PRUNER,
+        REQUIRED_RETENTION,
+        compress=prunevid.compress,
+        prune=prunevid.stages,
+    )
+)
+register(_compressor("fastvid", "FastVID", "FastVID", fastvid, needs_attention=True))
+register(
+    Method(
+        "holitom",
+        "HoliTom",
+        "HoliTom",
+        COMPRESSOR_THEN_PRUNER,
+        REQUIRED_RETENTION,
+        compress=holitom.compress,
+        prune=holitom.stages,
+        needs_attention=True,
+    )
+)
+register(_pruner("fastv", "FastV", "FastV", fastv))
+register(_pruner("pyramiddrop", "PyramidDrop", "PyramidDrop", pyramiddrop, prune_layer_count=None))
+register(Method("evs", "EVS", "EVS", ENGINE_PRUNER, REQUIRED_RETENTION, engine_pruning="evs"))
 register(
     Method(
         "fixed_scale",
         "FixedScale",
         "FixedScale",
-        BEFORE_ENCODER,
+        RESIZE_POLICY,
         REQUIRED_RETENTION,
         policy=policies.fixed_scale,
-        vllm=True,
-        images=True,
         aliases=("fixedscale",),
         in_paper=True,
     )
 )
 register(
-    Method(
-        "resadapt",
-        "ResAdapt",
-        "ResAdapt",
-        BEFORE_ENCODER,
-        OPTIONAL_RETENTION,
-        needs_allocator=True,
-        vllm=True,
-        images=True,
-        in_paper=True,
-    )
+    Method("resadapt", "ResAdapt", "ResAdapt", RESIZE_POLICY, OPTIONAL_RETENTION, needs_allocator=True, in_paper=True)
 )

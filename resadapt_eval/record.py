@@ -8,11 +8,12 @@ from dataclasses import asdict, dataclass, field, fields
 from typing import TYPE_CHECKING
 
 from .compute.flops import dims_from_config, sample_flops
-from .methods import AFTER_MERGER, INSIDE_LLM, get_method
 
 if TYPE_CHECKING:
     from .backbones.layout import QwenLayout
-    from .pipeline import Built, Decoded, Generated, Planned, Request, Scores, VideoPipelineConfig
+    from .budget.tokens import TokenBudget
+    from .pipeline import Built, Decoded, Generated, Planned, Request, Scores
+    from .runspec import RunSpec
 
 
 @dataclass
@@ -149,26 +150,28 @@ def error_text(exc: BaseException) -> str:
 
 def build_record(
     request: Request,
-    config: VideoPipelineConfig,
+    spec: RunSpec,
     layout: QwenLayout,
     decoded: Decoded | None,
     scores: Scores | None,
     planned: Planned | None,
+    budget: TokenBudget | None,
     built: Built | None,
     generated: Generated | None,
     error: Exception | None,
 ) -> SampleRecord:
-    """The sidecar record of one sample, from the stages it completed."""
+    """The sidecar record of one sample, from the stages it completed. Its token counts and R are
+    the sample's token budget (`budget.tokens`), which the engine's prompt was checked against."""
     record = SampleRecord(
         doc_id=request.doc_id,
         task=request.task,
-        method=config.method,
-        allocator=config.allocator,
-        allocator_query=config.allocator_query if config.allocator else None,
-        allocator_budget=_budget_source(config.allocator),
-        budget_rule=config.budget.rule_label,
+        method=spec.method.name,
+        allocator=spec.allocator,
+        allocator_query=spec.allocator_query if spec.allocator else None,
+        allocator_budget=_budget_source(spec.allocator),
+        budget_rule=spec.budget.rule_label,
         video=None if request.video is None else str(request.video),
-        target_retention=config.budget.retention,
+        target_retention=spec.retention,
         error=error_text(error) if error else None,
     )
     if decoded is not None:
@@ -195,11 +198,10 @@ def build_record(
         record.scale_apply_s = built.resize_s
         record.preprocess_s += built.seconds
     if generated is not None:
-        record.visual_tokens = generated.visual_tokens
-        layers = generated.engine.layer_visual_tokens
-        record.layer_visual_tokens = list(layers) if layers is not None else None
-        record.layer_averaged_tokens = sum(layers) / len(layers) if layers is not None else record.visual_tokens
-        record.achieved_retention = record.layer_averaged_tokens / record.reference_tokens
+        record.visual_tokens = budget.entering
+        record.layer_visual_tokens = list(budget.layers) if budget.layers is not None else None
+        record.layer_averaged_tokens = budget.layer_average
+        record.achieved_retention = budget.achieved_retention
         # full-resolution frames: a video frame is half a pair at the base size, an image a whole one
         frame_tokens = [
             p.vanilla_pair_tokens / (1 if decoded.images else layout.grid.temporal_patch) for p in planned.plans
@@ -214,21 +216,14 @@ def build_record(
             record.peak_memory_mb = max(engine.peak_memory_mb, built.peak_memory_mb)
         if engine.vision_s is not None:
             record.vision_s = engine.vision_s + built.vision_s
-        grids = [g for p in planned.plans for g in p.grids]
-        method = get_method(config.method)
-        prompt_tokens = record.input_tokens
-        if layers is not None:  # each decoder layer's prompt: the text and the visual tokens it kept
-            prompt_tokens = [record.input_tokens - record.visual_tokens + n for n in layers]
         flops = sample_flops(
             dims_from_config(layout.config),
-            method,
-            grids,
-            config.budget.retention,
-            prompt_tokens,
+            spec.method,
+            [g for p in planned.plans for g in p.grids],
+            spec.retention,
+            budget.prompt_tokens(record.input_tokens - record.visual_tokens),  # the text, then each layer's visual
             record.output_tokens,
-            compressor=built.compressor_flops + generated.engine.method_flops
-            if method.stage in (AFTER_MERGER, INSIDE_LLM)
-            else None,
+            compressor=built.compressor_flops + engine.method_flops,  # what the method's work counted while it ran
             allocator=scores.flops,
             decode_keys_dropped=engine.decode_keys_dropped,
         )

@@ -9,6 +9,7 @@ import pytest
 from resadapt_eval.budget.plan import QWEN3VL_GRID, QWEN25VL_GRID
 from resadapt_eval.budget.planner import Planner
 from resadapt_eval.budget.policies import BudgetSpec, fixed_scale
+from resadapt_eval.budget.selection import Operator
 from resadapt_eval.lmms.models import config_from_model_args
 from resadapt_eval.pipeline import Request, VideoPipeline, VideoPipelineConfig
 
@@ -170,27 +171,29 @@ def test_selection_by_pairs_keeps_raw_pair_means_without_projection():
     spec = BudgetSpec(retention=0.1, budget_rule="authors_code")
     planner = Planner(QWEN25VL_GRID, spec)
     base = planner.base_hw((720, 1280))
-    positions, scales, reference = planner.select(raw, base, "select_resize", 3, None)  # ceil(3/2) = 2 pairs
+    positions, scales, reference = planner.select(
+        raw, base, Operator.SELECT_RESIZE, 3, None, 0.1
+    )  # ceil(3/2) = 2 pairs
     assert positions == [2, 3, 6, 7]
     assert scales.tolist() == [1.375, 1.375, 1.25, 1.25]
     assert reference == 5 * 720  # the 9 candidates' vanilla tokens: R is not projected onto 0.1
     assert planner.plan(scales, base).visual_tokens / reference > 0.1
-    positions, _, _ = planner.select(raw, base, "select_resize", None, 1.0)
+    positions, _, _ = planner.select(raw, base, Operator.SELECT_RESIZE, None, 1.0, 0.1)
     assert positions == [2, 3, 6, 7]
-    positions, _, _ = planner.select(raw, base, "select_resize", None, 5.0)
+    positions, _, _ = planner.select(raw, base, Operator.SELECT_RESIZE, None, 5.0, 0.1)
     assert positions == [2, 3]  # none reaches the threshold: the best pair
-    positions, _, _ = planner.select(raw, base, "select_resize", 1, None)
+    positions, _, _ = planner.select(raw, base, Operator.SELECT_RESIZE, 1, None, 0.1)
     assert positions == [2, 3]  # max(1, ceil(1/2)) pairs
-    positions, _, _ = planner.select(raw, base, "select_resize", 9, None)
+    positions, _, _ = planner.select(raw, base, Operator.SELECT_RESIZE, 9, None, 0.1)
     assert positions == list(range(9))  # the odd tail is a pair of one frame
     # select (no resize): the best top_k frames rounded up to an even count, at the base size
-    positions, scales, _ = planner.select(raw, base, "select", 3, None)
+    positions, scales, _ = planner.select(raw, base, Operator.SELECT, 3, None, 0.1)
     assert positions == [2, 3, 6, 7] and scales.tolist() == [1.0] * 4
-    positions, _, _ = planner.select(raw, base, "select", None, 1.1)
+    positions, _, _ = planner.select(raw, base, Operator.SELECT, None, 1.1, 0.1)
     assert positions == [2, 3, 6, 7]  # 1.5 1.25 1.5 pass, then one more from the ranking (1.0)
     # the paper's rule: the best frames, projected onto the retention
     paper = Planner(QWEN25VL_GRID, BudgetSpec(retention=0.1))
-    positions, scales, reference = paper.select(raw, base, "select_resize", 3, None)
+    positions, scales, reference = paper.select(raw, base, Operator.SELECT_RESIZE, 3, None, 0.1)
     assert positions == [2, 3, 7] and paper.plan(scales, base).visual_tokens <= 0.1 * reference
 
 

@@ -103,7 +103,7 @@ def answer(adapter, name: str, request: Request) -> Run:
             compressions.append(method.compress(visual_tokens, keep, seed))
             return compressions[-1]
 
-        pipeline.method = dataclasses.replace(method, compress=compress)
+        pipeline.spec = dataclasses.replace(pipeline.spec, method=dataclasses.replace(method, compress=compress))
     generate_batch, generate_ids = adapter.generate_batch, adapter.generate_ids
 
     def spy_batch(built, kwargs):

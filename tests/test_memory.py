@@ -293,7 +293,7 @@ def test_a_compressors_peak_covers_its_encoding(adapters, fixtures_dir, monkeypa
         events.append("peak")
         return next(readings)
 
-    for module in ("resadapt_eval.pipeline", "resadapt_eval.backbones.qwen"):
+    for module in ("resadapt_eval.kinds", "resadapt_eval.backbones.qwen"):  # a compressor, then the engine call
         monkeypatch.setattr(f"{module}.reset_peak_memory", reset)
         monkeypatch.setattr(f"{module}.peak_memory_mb", peak)
     retention = None if method == "vanilla" else 0.25

@@ -7,9 +7,9 @@ import numpy as np
 import pytest
 import torch
 
-from resadapt_eval import methods
 from resadapt_eval.budget.policies import BudgetSpec
-from resadapt_eval.methods import AFTER_MERGER, METHODS, REQUIRED_RETENTION, Method, get_method, register
+from resadapt_eval.kinds import COMPRESSOR, FRAME_SELECTION, RESIZE_POLICY
+from resadapt_eval.methods import METHODS, REQUIRED_RETENTION, Method, get_method, register
 from resadapt_eval.pipeline import VideoPipelineConfig
 from resadapt_eval.report.collect import CellRun
 from resadapt_eval.report.plots import pareto_figure
@@ -28,15 +28,7 @@ def keep_first(tokens, keep, seed=0):
 def extra_method():
     """A method added the way a new baseline is: one compressor plus one registration."""
     method = register(
-        Method(
-            "keep_first",
-            "Keep First",
-            "KeepFirst",
-            AFTER_MERGER,
-            REQUIRED_RETENTION,
-            policy=methods.policies.vanilla,
-            compress=keep_first,
-        )
+        Method("keep_first", "Keep First", "KeepFirst", COMPRESSOR, REQUIRED_RETENTION, compress=keep_first)
     )
     yield method
     del METHODS[method.name]
@@ -144,8 +136,14 @@ def test_an_unregistered_method_is_rejected_with_the_known_ones(where):
 
 
 def test_a_method_declaration_is_checked():
-    with pytest.raises(ValueError, match="compressor"):
-        Method("bad", "Bad", "Bad", AFTER_MERGER, REQUIRED_RETENTION, policy=np.ones)
+    with pytest.raises(ValueError, match="bad: a vision-side compressor method gives compress="):
+        Method("bad", "Bad", "Bad", COMPRESSOR, REQUIRED_RETENTION)
+    with pytest.raises(ValueError, match="bad: a vision-side compressor method takes no policy="):
+        Method("bad", "Bad", "Bad", COMPRESSOR, REQUIRED_RETENTION, policy=np.ones, compress=keep_first)
+    with pytest.raises(ValueError, match="give a scale policy, or take the scales from the Allocator"):
+        Method("bad", "Bad", "Bad", RESIZE_POLICY, REQUIRED_RETENTION)
+    with pytest.raises(ValueError, match="frame selection is what operator=select"):
+        Method("bad", "Bad", "Bad", FRAME_SELECTION, REQUIRED_RETENTION, needs_allocator=True)
     with pytest.raises(ValueError, match="already registered"):
         register(METHODS["tome"])
     with pytest.raises(ValueError, match="no retention target"):

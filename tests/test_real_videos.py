@@ -90,12 +90,13 @@ def test_every_method_answers_the_clips_with_exact_token_accounting(adapters, pi
         decoded = pipeline.decode(request)
         scores = pipeline.score([request], {0: decoded}, {})
         planned = pipeline.plan(decoded, scores[0])
-        built = pipeline.build(request, decoded, planned)
+        budget = pipeline.token_budget(planned)
+        built = pipeline.build(request, decoded, planned, budget)
         failed = {}
-        (generated,) = pipeline.generate([request], {0: built}, failed).values()
+        (generated,) = pipeline.generate([request], {0: budget}, {0: built}, failed).values()
         assert failed == {}
         placeholders = list(generated.prompt_ids).count(adapter.layout.placeholder_id(False))
-        assert record.visual_tokens == placeholders == built.visual_tokens
+        assert record.visual_tokens == placeholders == budget.entering
         assert record.input_tokens == len(generated.prompt_ids)
 
         # tokens of the plan: one (t, h, w) merged-token grid per pair of frames

@@ -60,7 +60,7 @@ def test_a_checkpoint_of_the_other_backbone_is_refused(fixtures_dir):
 def test_booleans_are_parsed_strictly(fixtures_dir):
     for text, value in (("no", False), ("false", False), ("0", False), ("true", True), ("yes", True)):
         model = ResAdaptQwen25VL(pretrained=str(fixtures_dir / "qwen25vl"), dtype="float32", strict=text)
-        assert model.strict is value and model.pipeline.config.strict is value
+        assert model.strict is value and model.pipeline.spec.strict is value
 
 
 def test_resadapt_without_an_allocator_names_the_committed_checkpoints():

@@ -206,19 +206,27 @@ class QwenVideoAdapter:
         """The first layer a stage may start at: after Qwen3-VL's deepstack layers (0 on Qwen2.5-VL)."""
         return len(getattr(self.model.config.vision_config, "deepstack_visual_indexes", None) or ())
 
-    def build_pruned_inputs(self, inputs: dict, schedule, retention: float, layers: list[int] | None) -> PrunedInputs:
-        """`inputs` (from `build_inputs`, or `build_compressed_inputs` for a compressor with its
-        own stage in the LLM) with a `LayerPruner` whose stages `schedule` gives for `retention`."""
-        visual = torch.nonzero(inputs["mm_token_type_ids"][0] == VIDEO_TOKEN_TYPE).flatten()
-        stages = schedule(self.num_text_layers, len(visual), retention, layers, self.first_prunable_layer)
-        return PrunedInputs(inputs, LayerPruner(self.model.model.language_model, stages, visual))
+    def visual_positions(self, inputs: dict) -> torch.Tensor:
+        """(N,) indices of the video tokens in the prompt of `inputs`."""
+        return torch.nonzero(inputs["mm_token_type_ids"][0] == VIDEO_TOKEN_TYPE).flatten()
 
-    def build_decode_pruned_inputs(self, inputs: dict, decode_stage, retention: float) -> PrunedInputs:
-        """`inputs` (from `build_compressed_inputs`) with a `DecodePruner` at the stage
-        `decode_stage(layers, visual tokens, retention, first layer)` gives on this LLM."""
-        visual = torch.nonzero(inputs["mm_token_type_ids"][0] == VIDEO_TOKEN_TYPE).flatten()
-        stage = decode_stage(self.num_text_layers, len(visual), retention, self.first_prunable_layer)
-        return PrunedInputs(inputs, DecodePruner(self.model.model.language_model, stage, visual))
+    def pruned_inputs(self, inputs: dict, stages) -> PrunedInputs:
+        """`inputs` (from `build_inputs`, or `build_compressed_inputs` for a compressor with its own
+        stage in the LLM) with a `LayerPruner` running `stages` (the token budget's schedule)."""
+        return PrunedInputs(inputs, LayerPruner(self.model.model.language_model, stages, self.visual_positions(inputs)))
+
+    def build_pruned_inputs(self, inputs: dict, schedule, retention: float, layers: list[int] | None) -> PrunedInputs:
+        """`pruned_inputs` with the stages `schedule` gives for `retention` on this LLM and the
+        visual tokens of `inputs`."""
+        visual = len(self.visual_positions(inputs))
+        return self.pruned_inputs(
+            inputs, schedule(self.num_text_layers, visual, retention, layers, self.first_prunable_layer)
+        )
+
+    def decode_pruned_inputs(self, inputs: dict, stage) -> PrunedInputs:
+        """`inputs` (from `build_compressed_inputs`) with a `DecodePruner` at `stage` (the token
+        budget's `DecodeStage`)."""
+        return PrunedInputs(inputs, DecodePruner(self.model.model.language_model, stage, self.visual_positions(inputs)))
 
     # ------------------------------------------------------------------ generation
     @torch.inference_mode()

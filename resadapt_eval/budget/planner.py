@@ -13,7 +13,7 @@ import numpy as np
 
 from .plan import ResizePlan, TokenGrid, base_size, plan_from_scales, project_jointly
 from .policies import BUDGET_RULES, BudgetSpec
-from .selection import select_frames, select_frames_even, select_pairs
+from .selection import Operator, select_frames, select_frames_even, select_pairs
 
 # Base-size bounds in tokens per frame: qwen-vl-utils' video cap (768); its 128-token video floor
 # is not applied, so small videos are not upscaled.
@@ -79,27 +79,32 @@ class Planner:
         )
 
     def select(
-        self, raw: np.ndarray, base_hw: tuple[int, int], operator: str, top_k: int | None, threshold: float | None
+        self,
+        raw: np.ndarray,
+        base_hw: tuple[int, int],
+        operator: Operator,
+        top_k: int | None,
+        threshold: float | None,
+        target: float | None,
     ):
         """Frame selection over candidate frames with the Allocator's scales `raw` (T,): the best
         (`top_k` and/or scale >= `threshold`) are kept in time order, at the base size
-        (`select`) or at their scales (`select_resize`), projected so the tokens stay within
-        `retention` x the candidates' vanilla tokens. Returns (kept positions, their scales, the
-        candidates' vanilla tokens: the reference R is measured against, as the paper reports it).
-        Under `selection_rule=pairs` (the authors' code) `select` keeps the best frames rounded up
-        to an even count and `select_resize` the best adjacent pairs (`select_pairs`) at their
-        mean scores, without projection."""
+        (`Operator.SELECT`) or at their scales (`Operator.SELECT_RESIZE`), projected so the tokens
+        stay within `target` x the candidates' vanilla tokens (None: clipped to [s_min, s_max]).
+        Returns (kept positions, their scales, the candidates' vanilla tokens: the reference R is
+        measured against, as the paper reports it). Under `selection_rule=pairs` (the authors' code)
+        `select` keeps the best frames rounded up to an even count and `select_resize` the best
+        adjacent pairs (`select_pairs`) at their mean scores, without projection."""
         reference = self.vanilla_tokens(len(raw), base_hw)
         if self.spec.selection_rule == "pairs":
-            if operator == "select":
+            if not operator.keeps_scales:
                 positions = select_frames_even(raw, top_k, threshold, self.grid.temporal_patch)
                 return positions, np.ones(len(positions)), reference
             positions, scales = select_pairs(raw, top_k, threshold, self.grid.temporal_patch)
             return positions, scales, reference
         positions = select_frames(raw, top_k, threshold)
-        if operator == "select":
+        if not operator.keeps_scales:
             return positions, np.ones(len(positions)), reference
-        target = self.spec.retention
         if target is not None:
             target = target * reference / self.vanilla_tokens(len(positions), base_hw)
         (scales,) = self.fit([raw[positions]], [base_hw], target)

@@ -8,11 +8,32 @@ table): rank the candidates, keep the `top_k` highest (and/or those scoring at l
 from __future__ import annotations
 
 import math
+from enum import Enum
 from typing import Sequence
 
 import numpy as np
 
-OPERATORS = ("resize", "select", "select_resize")
+
+class Operator(Enum):
+    """The budget operator (`operator=`): resize every frame (`resize`), or keep the best-scoring
+    candidate frames at the base size (`select`) or at their scales (`select_resize`)."""
+
+    RESIZE = "resize"
+    SELECT = "select"
+    SELECT_RESIZE = "select_resize"
+
+    @property
+    def selects_frames(self) -> bool:
+        """It keeps some of the candidate frames (`Planner.select`)."""
+        return self is not Operator.RESIZE
+
+    @property
+    def keeps_scales(self) -> bool:
+        """Frame selection that keeps the kept frames at their scales, not at the base size."""
+        return self is Operator.SELECT_RESIZE
+
+
+OPERATORS = tuple(op.value for op in Operator)
 
 
 def select_frames(scores: Sequence[float], top_k: int | None = None, threshold: float | None = None) -> list[int]:

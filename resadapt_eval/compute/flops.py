@@ -36,7 +36,8 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 
 from ..baselines import random_drop, tome, visionzip
-from ..baselines.common import kept_count, per_pair_budget
+from ..baselines.common import per_pair_budget
+from ..budget.tokens import TokenBudget
 from .configs import KNOWN_CONFIGS
 
 TERA = 1e12
@@ -306,20 +307,11 @@ def recomputed_attention(v: VisionDims, grids) -> int:
 
 
 def method_flops(method, dims: BackboneDims, grids, retention: float | None, compressor: int | None = None) -> int:
-    """FLOPs a method adds to the backbone's own (a `methods.Method` over the vanilla `grids`):
-    the recomputed attention it reads, and its compressor's work, `compressor` FLOPs as counted in
-    a run or else computed from the grids (ToMe, VisionZip); zero for methods that only resize."""
-    total = recomputed_attention(dims.vision, grids) if method.needs_attention else 0
-    if method.engine_pruning is not None:  # the engine's pruning, by formula (it runs inside vLLM)
-        return total + ENGINE_PRUNING[method.engine_pruning](grids, dims.vision.out_hidden)
-    if compressor is not None or method.compress is None:
-        return total + (compressor or 0)
-    similarity = SIMILARITY.get(method.compress)
-    if similarity is None:
-        raise ValueError(f"method={method.name}: its compressor's work depends on the features; count it in a run")
-    pair_sizes = [t * h * w for t, h, w in grids]
-    keep = kept_count(retention, sum(pair_sizes), len(pair_sizes))
-    return total + similarity(pair_sizes, keep, similarity_width(method.compress, dims.vision))
+    """FLOPs a method adds to the backbone's own (a `methods.Method` over the vanilla `grids`), as
+    its kind counts them (`MethodKind.own_flops`): the recomputed attention it reads, its
+    compressor's or ranking's work, `compressor` FLOPs as counted in a run or else computed from the
+    grids (ToMe, VisionZip), an engine's pruning by formula; zero for methods that only resize."""
+    return method.kind.own_flops(method, dims, grids, retention, compressor)
 
 
 # ---------------------------------------------------------------------- one sample
@@ -389,13 +381,14 @@ class RowPlan:
     vision tower encodes (t, h, w merged tokens; the vanilla ones for a token compressor); visual:
     the visual tokens entering the LLM; prompt: the prompt's tokens (the same in every decoder
     layer) or a list of them per layer (a method with stages inside the LLM); stages: those stages
-    (`inside_llm.Stage`), None without."""
+    (`inside_llm.Stage`), None without; budget: the sample's `TokenBudget`, as a run's record reads it."""
 
     method: object
     grids: list
     visual: int
     prompt: int | list[int]
     stages: list | None
+    budget: TokenBudget
 
 
 def row_plan(
@@ -408,46 +401,30 @@ def row_plan(
     prune_layers: list[int] | None = None,
 ) -> RowPlan:
     """The tokens of `frames` frames of a `size_hw` (height, width) pixel source under a method,
-    planned as the pipeline plans it (the default 768-token base size, the method's scale policy;
-    a compressor keeps floor(R * N) of the vanilla tokens; an in-LLM schedule its layer counts),
-    with `text_tokens` of text in the prompt (`prune_layers`: the stage layers of a method with
-    stages inside the LLM, as `prune_layers=` gives them; None: its default). A method scored by the
-    Allocator is planned with one
-    scale for every frame at R (`policies.fixed_scale`): its scales depend on the video, but every
-    allocation of those tokens has the same token count."""
-    from ..budget import policies
+    planned as the pipeline plans it (the default 768-token base size; the scales of the method's
+    kind for a typical video, `MethodKind.typical_scales`) and counted by the same token rule as a
+    run (`MethodKind.token_budget`: a compressor keeps floor(R * N) of the vanilla tokens, an in-LLM
+    schedule its layer counts, ...), with `text_tokens` of text in the prompt (`prune_layers`: the
+    stage layers of a method with stages inside the LLM, as `prune_layers=` gives them; None: its
+    default). A method scored by the Allocator is planned with one scale for every frame at R: its
+    scales depend on the video, but every allocation of those tokens has the same token count."""
+    from ..runspec import RunSpec
+
+    return spec_row_plan(dims, RunSpec.named(method_name, retention, prune_layers), frames, size_hw, text_tokens)
+
+
+def spec_row_plan(dims: BackboneDims, spec, frames: int, size_hw: tuple[int, int], text_tokens: int = 24) -> RowPlan:
+    """`row_plan` under a `runspec.RunSpec`."""
     from ..budget.plan import TokenGrid
     from ..budget.planner import Planner
-    from ..budget.policies import BudgetSpec
-    from ..methods import get_method
 
-    method = get_method(method_name)
     grid = TokenGrid(token_px=dims.token_px, temporal_patch=dims.vision.temporal_patch)
-    spec = BudgetSpec(retention=retention)
-    planner = Planner(grid, spec)
+    planner = Planner(grid, spec.budget)
     base_hw = planner.base_hw(size_hw)
-    policy = policies.fixed_scale if method.needs_allocator else method.policy
-    plan = planner.plan(policy(frames, base_hw, grid, spec), base_hw)
-    visual = plan.visual_tokens
-    two_stage = method.compress is not None and method.prune is not None
-    if two_stage:  # the compressor keeps what the method's own stage inside the LLM leaves within R
-        from ..baselines.inside_llm import entering_tokens
-
-        layers, first = dims.text.layers, dims.vision.deepstack
-        visual = entering_tokens(method.prune, retention, visual, len(plan.grids), layers, prune_layers, first)
-    elif method.compress is not None:
-        visual = kept_count(retention, visual, len(plan.grids))
-    if method.engine_pruning is not None:  # the engine's count at our rate: floor(R N), at least the first pair
-        visual = max(
-            plan.grids[0][0] * plan.grids[0][1] * plan.grids[0][2], int(visual * (1 - method.pruning_rate(retention)))
-        )
-    prompt, stages = visual + text_tokens, None
-    if method.prune is not None:  # the stages' layer counts
-        from ..baselines.inside_llm import layer_counts
-
-        stages = method.prune(dims.text.layers, visual, retention, prune_layers, dims.vision.deepstack)
-        prompt = [text_tokens + n for n in layer_counts(stages, dims.text.layers, visual)]
-    return RowPlan(method, list(plan.grids), visual, prompt, stages)
+    plan = planner.plan(spec.kind.typical_scales(spec, planner, frames, base_hw), base_hw)
+    budget = spec.kind.token_budget(spec, (plan,), plan.reference_tokens, dims)
+    stages = list(budget.stages) if budget.stages else None
+    return RowPlan(spec.method, list(plan.grids), budget.entering, budget.prompt_tokens(text_tokens), stages, budget)
 
 
 def row_flops(
@@ -466,12 +443,13 @@ def row_flops(
     and `output_tokens` generated. A method scored by `allocator` (an `Allocator`, reading
     `query_tokens` of question) is planned with one scale for every frame at R: its scales depend
     on the video, but every allocation with the same tokens has the same linear FLOPs."""
-    from ..methods import get_method
+    from ..runspec import RunSpec
 
-    method = get_method(method_name)
+    spec = RunSpec.named(method_name, retention)
+    method = spec.method
     if method.needs_allocator and allocator is None:
         raise ValueError(f"method={method_name} needs an Allocator to count")
-    plan = row_plan(dims, method_name, frames, size_hw, retention, text_tokens)
+    plan = spec_row_plan(dims, spec, frames, size_hw, text_tokens)
     scoring = allocator.flops(frames, query_tokens) if method.needs_allocator else 0
     ranking = None  # each stage's ranking, in the layer before it
     if plan.stages is not None:

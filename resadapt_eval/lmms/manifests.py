@@ -8,16 +8,16 @@ class there). This module imports nothing from lmms-eval at import time (importi
 `lmms_eval.models` runs the entry points, which would then see this module half-initialised).
 """
 
-from ..methods import METHODS
+from ..methods import METHODS, Method
 
 BACKBONES = {"qwen25vl": "Qwen25VL", "qwen3vl": "Qwen3VL"}
 MODULE = "resadapt_eval.lmms.models"
 VLLM_MODULE = "resadapt_eval.lmms.vllm_models"
 
 
-def class_name(method: str, backbone: str) -> str:
-    """`tome`, `qwen25vl` -> `ToMeQwen25VL`."""
-    return METHODS[method].class_stem + BACKBONES[backbone]
+def class_name(method: Method, backbone: str) -> str:
+    """ToMe's `Method`, `qwen25vl` -> `ToMeQwen25VL`."""
+    return method.class_stem + BACKBONES[backbone]
 
 
 def model_names() -> dict[str, tuple[str, list[str]]]:
@@ -27,7 +27,7 @@ def model_names() -> dict[str, tuple[str, list[str]]]:
         for backbone in BACKBONES:
             primary, *aliases = method.model_names(backbone)
             module = MODULE if method.hf else VLLM_MODULE
-            names[primary] = (f"{module}.{class_name(method.name, backbone)}", aliases)
+            names[primary] = (f"{module}.{class_name(method, backbone)}", aliases)
     for backbone, stem in BACKBONES.items():
         names[f"resadapt_{backbone}_vllm"] = (f"{VLLM_MODULE}.ResAdapt{stem}VLLM", [])
     return names

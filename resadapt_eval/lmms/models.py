@@ -37,6 +37,7 @@ from ..manifest import git_revision, merge_totals, run_summary, sample_totals, v
 from ..methods import METHODS, Method
 from ..pipeline import Request, VideoPipeline, VideoPipelineConfig
 from ..record import SampleRecord, build_record, sidecar_line
+from ..runspec import RunSpec
 from ..video import is_moving_video
 from .manifests import class_name
 
@@ -91,17 +92,18 @@ class ResAdaptQwen(lmms):
         config.apply_num_threads(self._world_size)
         if device == "cuda" and self._world_size > 1:
             device = f"cuda:{self.accelerator.local_process_index}"  # one GPU per process
-        self.method, self.strict = config.method, config.strict
-        differences = backbone_differences(config.allocator, self.backbone_family(), str(pretrained))
+        spec = RunSpec.resolve(config)  # the settings resolved once; everything below receives the spec
+        self.method, self.strict = spec.method.name, spec.strict
+        differences = backbone_differences(spec.allocator, self.backbone_family(), str(pretrained))
         if differences:
             logger.warning(
-                f"the Allocator {config.allocator} was trained with another backbone: {'; '.join(differences)}; "
+                f"the Allocator {spec.allocator} was trained with another backbone: {'; '.join(differences)}; "
                 "its scales were learned for that backbone's answers"
             )
         backbone = self._build_backbone(
-            str(pretrained), config, device=device, dtype=dtype, attn_implementation=_none_or(attn_implementation, str)
+            str(pretrained), spec, device=device, dtype=dtype, attn_implementation=_none_or(attn_implementation, str)
         )
-        self.pipeline = VideoPipeline(backbone, config)
+        self.pipeline = VideoPipeline(backbone, spec)
         self.batch_size_per_gpu = 1
         self.sidecar_dir = self._sidecar_dir(sidecar_dir, str(pretrained))
         self.started = self._run_stamp()
@@ -113,8 +115,8 @@ class ResAdaptQwen(lmms):
             **{k: v for k, v in asdict(config).items() if k != "budget"},
             **asdict(config.budget),
         )
-        self.allocator_budget = training_budget(config.allocator)
-        self.allocator_backbone = training_backbone(config.allocator)
+        self.allocator_budget = training_budget(spec.allocator)
+        self.allocator_backbone = training_backbone(spec.allocator)
         self._totals: list[dict] = []  # per generate_until call, summed over processes
 
     @classmethod
@@ -154,7 +156,7 @@ class ResAdaptQwen(lmms):
         if dtype != "auto" and not _is_torch_dtype(dtype):
             raise ValueError(f"model_args dtype={dtype!r}: expected auto or a torch dtype (float32, bfloat16, float16)")
         config = config_from_model_args(method=method or cls.fixed_method or "vanilla", **model_args)
-        cls.check_engine(METHODS[config.method])
+        cls.check_engine(RunSpec.resolve(config).method)
         check_base_grid(config.budget, cls.layout_grid())
         return config
 
@@ -177,10 +179,8 @@ class ResAdaptQwen(lmms):
                 f"({method.name}_<backbone>, or resadapt_<backbone>_vllm with method={method.name})"
             )
 
-    def _build_backbone(
-        self, pretrained: str, config: VideoPipelineConfig, device: str, dtype: str, attn_implementation: str | None
-    ):
-        """The engine `VideoPipeline` drives: here the HF adapter."""
+    def _build_backbone(self, pretrained: str, spec: RunSpec, device: str, dtype: str, attn_implementation: str | None):
+        """The engine `VideoPipeline` drives under `spec`: here the HF adapter."""
         return self.adapter_cls.from_pretrained(
             pretrained, device=device, dtype=dtype, attn_implementation=attn_implementation
         )
@@ -264,7 +264,7 @@ class ResAdaptQwen(lmms):
             else:
                 _, _, _, doc_id, task, _ = instance.args
                 failed = Request("", doc_id=doc_id, task=task)
-                record = build_record(failed, self.pipeline.config, self.pipeline.layout, *[None] * 5, request)
+                record = build_record(failed, self.pipeline.spec, self.pipeline.layout, *[None] * 6, request)
                 text = ""
             if record.error is not None:
                 logger.warning(
@@ -347,7 +347,7 @@ class ResAdaptQwen(lmms):
             model=type(self).__name__,
             model_args=self.model_args,
             allocator_budget=self.allocator_budget,
-            allocator_budget_source=budget_source(self.pipeline.config.allocator),
+            allocator_budget_source=budget_source(self.pipeline.spec.allocator),
             allocator_backbone=self.allocator_backbone,
             world_size=self.world_size,
             versions=versions(),
@@ -528,11 +528,9 @@ def __getattr__(name: str) -> type:
     registered method and cached here: each fixes `method=` on the backbone's class, named as the
     manifest names it (PEP 562 module attribute)."""
     bases = {"qwen25vl": ResAdaptQwen25VL, "qwen3vl": ResAdaptQwen3VL}
-    for method, spec in METHODS.items():
+    for method, spec in METHODS.items():  # resadapt's own name is `ResAdaptQwen25VL` above: the any-method class
         for backbone, base in bases.items():
-            if (
-                spec.hf and method != "resadapt" and class_name(method, backbone) == name
-            ):  # resadapt_<backbone>: the any-method class
+            if spec.hf and class_name(spec, backbone) == name:
                 doc = f"{base.__name__} with method={method}."
                 cls = globals()[name] = type(
                     name, (base,), {"fixed_method": method, "__module__": __name__, "__doc__": doc}

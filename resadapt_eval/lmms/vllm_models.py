@@ -9,8 +9,9 @@ fixed_scale, resadapt with any operator, and vLLM's own video pruning, `evs`, wh
 
 from __future__ import annotations
 
-from ..methods import METHODS, Method, get_method
+from ..methods import METHODS, Method
 from ..pipeline import VideoPipelineConfig
+from ..runspec import RunSpec
 from .manifests import class_name
 from .models import ResAdaptQwen, _cast
 
@@ -92,28 +93,19 @@ class ResAdaptQwenVLLM(ResAdaptQwen):
                 f"run it on the HF path (--model {method.name}_{cls.family} or resadapt_{cls.family})"
             )
 
-    def _build_backbone(
-        self, pretrained: str, config: VideoPipelineConfig, device: str, dtype: str, attn_implementation: str | None
-    ):
+    def _build_backbone(self, pretrained: str, spec: RunSpec, device: str, dtype: str, attn_implementation: str | None):
         from ..backbones.vllm_engine import VLLMBackbone
 
         if attn_implementation is not None:
             raise ValueError("attn_implementation is an HF-path setting; vLLM picks its own attention backend")
-        method = get_method(config.method)
-        pruning = {}
-        if method.engine_pruning is not None:
-            pruning = dict(
-                video_pruning_method=method.engine_pruning,
-                video_pruning_rate=method.pruning_rate(config.budget.retention),
-            )
         return VLLMBackbone(
             self.family,
             pretrained,
-            config.max_num_frames,
+            spec.max_num_frames,
             dtype=dtype,
             allocator_device=device,
             **self.engine_args,
-            **pruning,
+            **spec.kind.engine_args(spec),  # the method kind's own engine settings (EVS: its pruning and rate)
         )
 
 
@@ -131,7 +123,7 @@ def __getattr__(name: str) -> type:
     bases = {"qwen25vl": ResAdaptQwen25VLVLLM, "qwen3vl": ResAdaptQwen3VLVLLM}
     for method, spec in METHODS.items():
         for backbone, base in bases.items():
-            if not spec.hf and class_name(method, backbone) == name:
+            if not spec.hf and class_name(spec, backbone) == name:
                 doc = f"{base.__name__} with method={method}."
                 cls = globals()[name] = type(
                     name, (base,), {"fixed_method": method, "__module__": __name__, "__doc__": doc}

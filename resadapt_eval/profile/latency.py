@@ -90,13 +90,19 @@ def latency_rows(groups: list[tuple[str, int, float | None, list[dict]]]) -> lis
     order = list(METHODS)
     groups = sorted(groups, key=lambda g: (g[1], order.index(g[0]) if g[0] in order else len(order), -(g[2] or 2)))
     rows = [latency_row(method, frames, records) for method, frames, _, records in groups]
-    vanilla = {row["frames"]: row for row in rows if row["method"] == "vanilla" and row["samples"]}
+    vanilla = {row["frames"]: row for row in rows if is_reference(row) and row["samples"]}
     for row in rows:
         base = vanilla.get(row["frames"])
         for column in AGAINST_VANILLA:
             ours, theirs = row[column], base[column] if base else None
             row[f"{column}_vs_vanilla"] = ours / theirs - 1 if ours is not None and theirs else None
     return rows
+
+
+def is_reference(row: dict) -> bool:
+    """The row is the full-budget method's (vanilla, no retention target), which the others are compared to."""
+    method = METHODS.get(row["method"])
+    return method is not None and method.full_budget
 
 
 def _cell(row: dict, column: str) -> str:
@@ -109,7 +115,7 @@ def _cell(row: dict, column: str) -> str:
         return f"{100 * value:.1f}%"
     text = f"{value:.4g}" if "tflops" in column else f"{value:.1f}"
     change = row.get(f"{column}_vs_vanilla")
-    if change is not None and row["method"] != "vanilla":
+    if change is not None and not is_reference(row):
         text += f" ({100 * change:+.1f}%)"
     return text
 

@@ -1,0 +1,441 @@
+"""Method kinds: what a budget method does to a request, as code behind one small protocol.
+
+A method (`methods.Method`) is a kind plus its algorithm (a scale policy, a compressor, a pruning
+schedule, ...) and defaults. A kind owns
+- its planning: the per-frame scales of a request's items (`scales`; `typical_scales` for the
+  config-only FLOPs table, which has no video);
+- its token rule: the `TokenBudget` of a planned sample (`token_budget`), computed once, before any
+  input is built;
+- its input building: the engine's request for a planned video (`build`);
+- its checks: a method declaration of this kind (`check`), an engine that cannot run it
+  (`check_engine`), settings the LLM's depth already rules out (`check_llm`);
+- what the serving engine is built with for it (`engine_args`) and the FLOPs of the method's own
+  work (`own_flops`).
+`pipeline.VideoPipeline`, `record.build_record`, `compute.flops` and the vLLM classes call these and
+never branch on the kind. The run spec (`runspec.RunSpec.kind`) picks the kind of a run: the method's,
+or `FRAME_SELECTION` under `operator=select|select_resize`.
+
+The kinds: `RESIZE_POLICY` (vanilla, fixed_scale, resadapt), `COMPRESSOR` (after the merger: ToMe,
+VisionZip, ...), `IN_LLM_PRUNER` (FastV, PyramidDrop), `COMPRESSOR_THEN_PRUNER` (PruneVid, HoliTom),
+`DECODE_PRUNER` (DyCoke), `ENGINE_PRUNER` (vLLM's EVS), `FRAME_SELECTION` (resadapt's operators).
+Adding a kind is one subclass here; see docs/architecture.md for what else it touches.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from .baselines.common import kept_count
+from .baselines.inside_llm import entering_tokens, layer_counts
+from .budget import policies
+from .budget.plan import InfeasibleBudget, ResizePlan
+from .budget.tokens import TokenBudget, engine_kept_tokens
+from .compute.counting import CountedCall
+from .compute.flops import ENGINE_PRUNING, SIMILARITY, BackboneDims, recomputed_attention, similarity_width
+from .profile.clock import peak_memory_mb, reset_peak_memory
+
+if TYPE_CHECKING:
+    from .budget.planner import Planner
+    from .methods import Method
+    from .runspec import RunSpec
+    from .video import DecodedVideo
+
+# Where a kind acts on the visual budget (`MethodKind.stage`; messages and docs say it in words).
+BEFORE_ENCODER = "before_encoder"  # resizes frames: fewer pixels enter the vision encoder
+AFTER_MERGER = "after_merger"  # encodes the vanilla plan, then drops/merges tokens before the LLM
+INSIDE_LLM = "inside_llm"  # prunes visual tokens between decoder layers
+IN_ENGINE = "in_engine"  # the serving engine drops merged tokens before the LLM (vLLM's video pruning)
+STAGES = (BEFORE_ENCODER, AFTER_MERGER, INSIDE_LLM, IN_ENGINE)
+
+# A method's algorithm slots (`methods.Method` fields); each kind says which it fills.
+SLOTS = ("policy", "compress", "prune", "decode_prune", "engine_pruning")
+
+FLOOR_PROBE_TOKENS = 10**7  # visual tokens: more than any request gives (`InLLMPruner.check_llm`)
+
+
+@dataclass(frozen=True)
+class FrameScales:
+    """A kind's planning of one request: the kept items and each one's per-frame scales;
+    reference: the vanilla tokens R is measured against (None: the plans' own); candidates: frames
+    scored (frame selection); projection_s: seconds spent projecting scales onto R."""
+
+    items: tuple
+    scales: list
+    reference: int | None = None
+    candidates: int | None = None
+    projection_s: float = 0.0
+
+
+@dataclass(frozen=True)
+class ModelInputs:
+    """A kind's engine request for one planned video; merged_sizes: a compressor's group sizes,
+    compressor_flops: its work as counted, vision_s: its vision tower's seconds, peak_memory_mb:
+    the peak while it encoded and compressed (None where the tower runs inside the engine call)."""
+
+    request: object
+    merged_sizes: tuple[int, ...] | None = None
+    compressor_flops: int = 0
+    vision_s: float = 0.0
+    peak_memory_mb: float | None = None
+
+
+class MethodKind:
+    """The protocol every kind implements; these defaults are a method that plans every frame at
+    the base size, puts the plan's tokens into the LLM and runs on any engine that does not prune
+    video tokens itself. hf / vllm: the HF classes / the vLLM engine run it; images: it serves
+    image requests; slots: the algorithm slots a method of this kind fills (the others stay empty)."""
+
+    name = "method"
+    stage = BEFORE_ENCODER
+    hf, vllm, images = True, False, False
+    slots: tuple[str, ...] = ()
+
+    def __repr__(self) -> str:
+        return f"<{self.name}>"
+
+    # ------------------------------------------------------------------ checks
+    def check(self, method: Method) -> None:
+        """Refuse a declaration whose algorithm slots do not fit this kind."""
+        filled = {slot for slot in SLOTS if getattr(method, slot) is not None}
+        missing = [slot for slot in self.slots if slot not in filled]
+        if missing:
+            raise ValueError(f"{method.name}: a {self.name} method gives {', '.join(s + '=' for s in missing)}")
+        extra = sorted(filled - set(self.slots))
+        if extra:
+            raise ValueError(f"{method.name}: a {self.name} method takes no {', '.join(s + '=' for s in extra)}")
+        if method.needs_allocator:
+            raise ValueError(f"{method.name}: only a resize policy takes its scales from the Allocator")
+
+    def check_engine(self, spec: RunSpec, backbone) -> None:
+        """Stop at start when `backbone` (a `layout.Backbone`) cannot run this kind."""
+        pruning = (backbone.video_pruning_method, backbone.video_pruning_rate)
+        if pruning[0] is not None and pruning[1]:
+            raise ValueError(
+                f"method={spec.method.name} does not prune, but this engine prunes video tokens: {pruning}"
+            )
+
+    def check_llm(self, spec: RunSpec, dims: BackboneDims) -> None:
+        """Stop at start on settings the LLM's depth already rules out (nothing, for most kinds)."""
+
+    # ------------------------------------------------------------------ planning
+    def scales(
+        self, spec: RunSpec, planner: Planner, items: tuple[DecodedVideo, ...], base_hws: list, raw
+    ) -> FrameScales:
+        """Per-frame scales of a request's items at `base_hws` (raw: the Allocator's scales per
+        item, None without it): every frame at the base size."""
+        return FrameScales(
+            items,
+            [policies.vanilla(len(item.indices), hw, planner.grid, planner.spec) for item, hw in zip(items, base_hws)],
+        )
+
+    def typical_scales(self, spec: RunSpec, planner: Planner, frames: int, base_hw: tuple[int, int]) -> np.ndarray:
+        """Scales of `frames` frames of a typical video, planned from configs alone."""
+        return policies.vanilla(frames, base_hw, planner.grid, planner.spec)
+
+    # ------------------------------------------------------------------ the token rule
+    def token_budget(
+        self, spec: RunSpec, plans: tuple[ResizePlan, ...], reference: int, dims: BackboneDims
+    ) -> TokenBudget:
+        """The visual tokens the `plans` of one sample put into the LLM (R against `reference`)."""
+        return TokenBudget(reference, sum(p.visual_tokens for p in plans))
+
+    # ------------------------------------------------------------------ inputs
+    def build(self, spec: RunSpec, backbone, prompt: str, video, plan: ResizePlan, pairs, budget: TokenBudget):
+        """The engine's request for `video` at `plan` (`pairs`: its frames resized by the layout)."""
+        return ModelInputs(backbone.build_inputs(prompt, video, plan, pairs))
+
+    def engine_args(self, spec: RunSpec) -> dict:
+        """`VLLMBackbone` arguments this kind needs (its own video pruning): none."""
+        return {}
+
+    # ------------------------------------------------------------------ compute
+    def own_flops(self, method: Method, dims: BackboneDims, grids, retention: float | None, counted: int | None) -> int:
+        """FLOPs a method adds to the backbone's own over the vanilla `grids`: the last ViT block's
+        attention it recomputes, plus `counted` (its work as counted in a run; None from configs alone)."""
+        return (recomputed_attention(dims.vision, grids) if method.needs_attention else 0) + (counted or 0)
+
+
+class ResizePolicy(MethodKind):
+    """Resizes frames before the encoder: per-frame scales from the method's policy, or the
+    Allocator's scales projected onto R (`Planner.fit`, jointly over a request's images)."""
+
+    name = "resize policy"
+    hf, vllm, images = True, True, True
+    slots = ()
+
+    def check(self, method: Method) -> None:
+        filled = sorted(slot for slot in SLOTS if slot != "policy" and getattr(method, slot) is not None)
+        if filled:
+            raise ValueError(f"{method.name}: a {self.name} method takes no {', '.join(s + '=' for s in filled)}")
+        if (method.policy is None) != method.needs_allocator:
+            raise ValueError(f"{method.name}: give a scale policy, or take the scales from the Allocator")
+
+    def scales(self, spec, planner, items, base_hws, raw) -> FrameScales:
+        method = spec.method
+        if method.needs_allocator:
+            t0 = time.perf_counter()
+            scales = planner.fit(raw, base_hws, spec.retention)
+            return FrameScales(items, scales, projection_s=time.perf_counter() - t0)
+        grid, budget = planner.grid, planner.spec
+        return FrameScales(
+            items, [method.policy(len(item.indices), hw, grid, budget) for item, hw in zip(items, base_hws)]
+        )
+
+    def typical_scales(self, spec, planner, frames, base_hw) -> np.ndarray:
+        """The method's policy; for the Allocator one scale for every frame at R (its scales depend on
+        the video, but every allocation of those tokens has the same token count)."""
+        policy = policies.fixed_scale if spec.method.needs_allocator else spec.method.policy
+        return policy(frames, base_hw, planner.grid, planner.spec)
+
+
+class FrameSelection(MethodKind):
+    """Keeps the best-scoring of `candidates` frames by the Allocator's scales, at the base size or at
+    their scales (`Planner.select`); R is against the candidates' vanilla tokens. A run's kind under
+    `operator=select|select_resize` (`RunSpec.kind`), not a declared one."""
+
+    name = "frame selection"
+    hf, vllm, images = True, True, False
+
+    def check(self, method: Method) -> None:
+        raise ValueError(
+            f"{method.name}: frame selection is what operator=select|select_resize makes of a method the "
+            "Allocator scores; declare it as a resize policy"
+        )
+
+    def scales(self, spec, planner, items, base_hws, raw) -> FrameScales:
+        t0 = time.perf_counter()
+        (video,), (scores,), (base_hw,) = items, raw, base_hws
+        positions, kept_scales, reference = planner.select(
+            scores, base_hw, spec.operator, spec.top_k, spec.score_threshold, spec.retention
+        )
+        return FrameScales(
+            (video.subset(positions),), [kept_scales], reference, len(video.indices), time.perf_counter() - t0
+        )
+
+
+class EnginePruner(MethodKind):
+    """The serving engine drops merged video tokens before the LLM (vLLM's `video_pruning_method` at
+    `video_pruning_rate` = `Method.pruning_rate(R)`); the video is planned at the base size."""
+
+    name = "engine-side pruner"
+    stage = IN_ENGINE
+    hf, vllm, images = False, True, False
+    slots = ("engine_pruning",)
+
+    def engine_args(self, spec) -> dict:
+        method = spec.method
+        return dict(video_pruning_method=method.engine_pruning, video_pruning_rate=method.pruning_rate(spec.retention))
+
+    def check_engine(self, spec, backbone) -> None:
+        wanted = tuple(self.engine_args(spec).values())
+        pruning = (backbone.video_pruning_method, backbone.video_pruning_rate)
+        if pruning != wanted:
+            raise ValueError(
+                f"method={spec.method.name} at retention={spec.retention} needs an engine pruning video tokens with "
+                f"{wanted[0]} at rate {wanted[1]}; {type(backbone).__name__} prunes with {pruning}: run it on the "
+                "vLLM classes"
+            )
+
+    def token_budget(self, spec, plans, reference, dims) -> TokenBudget:
+        (plan,) = plans
+        rate = spec.method.pruning_rate(spec.retention)
+        return TokenBudget(reference, engine_kept_tokens(plan.pair_tokens, rate, spec.method.engine_pruning))
+
+    def own_flops(self, method, dims, grids, retention, counted) -> int:
+        """The engine's pruning, by formula (it runs inside the engine, uncounted)."""
+        return super().own_flops(method, dims, grids, retention, None) + ENGINE_PRUNING[method.engine_pruning](
+            grids, dims.vision.out_hidden
+        )
+
+
+class InModel(MethodKind):
+    """A kind that acts inside the model (after the merger or between decoder layers): it runs on
+    engines that expose those (`Backbone.compresses_tokens`, the HF adapter), and its work is
+    counted while it runs."""
+
+    def check_engine(self, spec, backbone) -> None:
+        super().check_engine(spec, backbone)
+        if not backbone.compresses_tokens:
+            raise ValueError(
+                f"method={spec.method.name} compresses visual tokens inside the model, which "
+                f"{type(backbone).__name__} does not expose: run it on the HF path"
+            )
+
+
+def probe_schedule(spec: RunSpec, dims: BackboneDims) -> None:
+    """The method's in-LLM schedule on `FLOOR_PROBE_TOKENS` visual tokens (more than any video gives),
+    to check its `prune_layers` on this LLM (a bad one is a `model_args` error) and its floor
+    (`InfeasibleBudget`, raised for the caller)."""
+    try:
+        spec.method.prune(
+            dims.text.layers, FLOOR_PROBE_TOKENS, spec.retention, spec.stage_layers, dims.vision.deepstack
+        )
+    except InfeasibleBudget:
+        raise
+    except ValueError as exc:  # `inside_llm.check_layers`: its message starts with prune_layers
+        raise ValueError(f"model_args {exc}") from None
+
+
+class InLLMPruner(InModel):
+    """Prunes visual tokens between decoder layers (`inside_llm.LayerPruner`): every visual token of
+    the plan enters the LLM, the method's schedule keeps fewer from its stage layers on, and R is
+    their layer average."""
+
+    name = "in-LLM pruner"
+    stage = INSIDE_LLM
+    slots = ("prune",)
+
+    def check_llm(self, spec, dims) -> None:
+        """`prune_layers` (or the method's default layers) outside [first prunable layer, layers - 1],
+        unordered or repeated; and a retention at or below the floor the schedule keeps on every video.
+
+        That floor depends on the visual token count N only through terms that shrink as N grows
+        (FastV keeps floor((R L - K) N / (L - K)) >= 1 tokens after layer K; PyramidDrop keeps at
+        least one token per stage, a layer average of (b_1 N + L - b_1) / (L N) with b_1 its first
+        stage): a target the schedule cannot reach with `FLOOR_PROBE_TOKENS` visual tokens is out of
+        reach for every N below it too, and the floor reported is the one at that N (b_1 / L, or
+        K / L, to 4 places). Targets just above it, reachable on long videos only, stay per sample
+        (`InfeasibleBudget` naming that sample's floor)."""
+        try:
+            probe_schedule(spec, dims)
+        except InfeasibleBudget as exc:
+            given = spec.prune_layers_text
+            which = f"prune_layers={given!r}" if given is not None else "the default prune_layers"
+            raise ValueError(
+                f"retention={spec.retention} with {which}: {exc.what} keeps a layer-averaged retention above "
+                f"{exc.floor:.4f} on every video on this LLM of {dims.text.layers} layers (the layers before the "
+                "first stage see every visual token); raise retention, or give prune_layers an earlier first layer"
+            ) from None
+
+    def token_budget(self, spec, plans, reference, dims) -> TokenBudget:
+        visual = sum(p.visual_tokens for p in plans)
+        stages = tuple(self.schedule(spec, dims, visual))
+        return TokenBudget(reference, visual, tuple(layer_counts(stages, dims.text.layers, visual)), stages=stages)
+
+    @staticmethod
+    def schedule(spec, dims: BackboneDims, visual: int) -> list:
+        """The method's stages for `visual` tokens entering this LLM."""
+        layers = dims.text.layers
+        return spec.method.prune(layers, visual, spec.retention, spec.stage_layers, dims.vision.deepstack)
+
+    def build(self, spec, backbone, prompt, video, plan, pairs, budget) -> ModelInputs:
+        inputs = backbone.build_inputs(prompt, video, plan, pairs)
+        return ModelInputs(backbone.pruned_inputs(inputs, budget.stages))
+
+
+class Compressor(InModel):
+    """Encodes the vanilla plan, then compresses its merged tokens before the LLM to floor(R N)
+    (`baselines/<name>.compress`, run through `counting.CountedCall` so its work is counted)."""
+
+    name = "vision-side compressor"
+    stage = AFTER_MERGER
+    slots = ("compress",)
+
+    def token_budget(self, spec, plans, reference, dims) -> TokenBudget:
+        (plan,) = plans
+        share = spec.retention
+        return TokenBudget(reference, kept_count(share, plan.visual_tokens, len(plan.grids)), share=share)
+
+    def build(self, spec, backbone, prompt, video, plan, pairs, budget) -> ModelInputs:
+        method, compressor, timer = spec.method, CountedCall(spec.method.compress), backbone.vision_timer
+        reset_peak_memory(backbone.device)  # the tower runs here, before the engine call
+        with timer.recording():
+            inputs, sizes = backbone.build_compressed_inputs(
+                prompt,
+                video,
+                plan,
+                compressor,
+                budget.share,
+                seed=spec.compression_seed,
+                needs_attention=method.needs_attention,
+                pairs=pairs,
+            )
+        merged = tuple(sizes.tolist())
+        if len(merged) != budget.entering:
+            raise RuntimeError(f"{method.name} kept {len(merged)} tokens; the token budget counts {budget.entering}")
+        vision_s, peak = timer.take(), peak_memory_mb(backbone.device)
+        return ModelInputs(self.then(backbone, inputs, budget), merged, compressor.flops, vision_s, peak)
+
+    def then(self, backbone, inputs, budget: TokenBudget):
+        """The compressed inputs as the engine runs them: as they are."""
+        return inputs
+
+    def own_flops(self, method, dims, grids, retention, counted) -> int:
+        """Counted in a run; from configs alone computed from the grids where a formula exists (ToMe,
+        VisionZip, Random Drop), else an error (the work depends on the features)."""
+        if counted is not None:
+            return super().own_flops(method, dims, grids, retention, counted)
+        similarity = SIMILARITY.get(method.compress)
+        if similarity is None:
+            raise ValueError(f"method={method.name}: its compressor's work depends on the features; count it in a run")
+        pair_sizes = [t * h * w for t, h, w in grids]
+        keep = kept_count(retention, sum(pair_sizes), len(pair_sizes))
+        width = similarity_width(method.compress, dims.vision)
+        return super().own_flops(method, dims, grids, retention, None) + similarity(pair_sizes, keep, width)
+
+
+class CompressorThenPruner(Compressor):
+    """A compressor followed by the method's own stage inside the LLM (on the tokens that entered):
+    the compressor keeps the most tokens whose layer average over both stages stays within R
+    (`inside_llm.entering_tokens`)."""
+
+    name = "compressor plus in-LLM stage"
+    slots = ("compress", "prune")
+
+    def check_llm(self, spec, dims) -> None:
+        """Bad `prune_layers` only: the floor depends on the video's frame pairs and tokens (per sample)."""
+        try:
+            probe_schedule(spec, dims)
+        except InfeasibleBudget:
+            return
+
+    def token_budget(self, spec, plans, reference, dims) -> TokenBudget:
+        (plan,) = plans
+        n, pairs, layers, first = plan.visual_tokens, len(plan.grids), dims.text.layers, dims.vision.deepstack
+        entering = entering_tokens(spec.method.prune, spec.retention, n, pairs, layers, spec.stage_layers, first)
+        share = entering / n
+        keep = kept_count(share, n, pairs)
+        stages = tuple(InLLMPruner.schedule(spec, dims, keep))
+        return TokenBudget(reference, keep, tuple(layer_counts(stages, layers, keep)), share, stages)
+
+    def then(self, backbone, inputs, budget):
+        return backbone.pruned_inputs(inputs, budget.stages)
+
+
+class DecodePruner(Compressor):
+    """A compressor whose method also prunes the KV cache while decoding
+    (`decode_pruning.DecodePruner`); the prefill, and so R, is the compressor's."""
+
+    name = "decode-time KV pruner"
+    slots = ("compress", "decode_prune")
+
+    def token_budget(self, spec, plans, reference, dims) -> TokenBudget:
+        budget = super().token_budget(spec, plans, reference, dims)
+        stage = spec.method.decode_prune(dims.text.layers, budget.entering, spec.retention, dims.vision.deepstack)
+        return dataclasses.replace(budget, decode_stage=stage)
+
+    def then(self, backbone, inputs, budget):
+        return backbone.decode_pruned_inputs(inputs, budget.decode_stage)
+
+
+RESIZE_POLICY = ResizePolicy()
+COMPRESSOR = Compressor()
+IN_LLM_PRUNER = InLLMPruner()
+COMPRESSOR_THEN_PRUNER = CompressorThenPruner()
+DECODE_PRUNER = DecodePruner()
+ENGINE_PRUNER = EnginePruner()
+FRAME_SELECTION = FrameSelection()
+KINDS = (
+    RESIZE_POLICY,
+    COMPRESSOR,
+    IN_LLM_PRUNER,
+    COMPRESSOR_THEN_PRUNER,
+    DECODE_PRUNER,
+    ENGINE_PRUNER,
+    FRAME_SELECTION,
+)
