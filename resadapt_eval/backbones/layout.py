@@ -175,8 +175,8 @@ class Backbone(Protocol):
     compresses_tokens: it runs AFTER_MERGER and INSIDE_LLM methods (`build_compressed_inputs`, and
     `pruned_inputs` / `decode_pruned_inputs` with the stages of the sample's `TokenBudget`, sized by
     the LLM's `num_text_layers` and `first_prunable_layer`; the HF adapter).
-    video_pruning_method / video_pruning_rate: the engine's own video pruning (an IN_ENGINE method's `engine_pruning`) and the fraction of video tokens it
-    drops, None when it has none; where it has one, `pruned_visual_tokens(plan)` counts the tokens
+    video_pruning_method / video_pruning_rate: the engine's own video pruning (an IN_ENGINE
+    method's `engine_pruning`) and the fraction of video tokens it drops, None when it has none; where it has one, `pruned_visual_tokens(plan)` counts the tokens
     of `plan` it keeps (`VLLMBackbone`).
     """
 
