@@ -176,8 +176,9 @@ class Backbone(Protocol):
     `pruned_inputs` / `decode_pruned_inputs` with the stages of the sample's `TokenBudget`, sized by
     the LLM's `num_text_layers` and `first_prunable_layer`; the HF adapter).
     video_pruning_method / video_pruning_rate: the engine's own video pruning (an IN_ENGINE
-    method's `engine_pruning`) and the fraction of video tokens it drops, None when it has none; where it has one, `pruned_visual_tokens(plan)` counts the tokens
-    of `plan` it keeps (`VLLMBackbone`).
+    method's `engine_pruning`) and the fraction of video tokens it drops, None when it has none;
+    where it has one, `pruned_visual_tokens(plan)` counts the tokens of `plan` it keeps
+    (`VLLMBackbone`).
     """
 
     layout: QwenLayout
