@@ -7,6 +7,12 @@ from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
 
+# submitit's import runs logging.config.dictConfig, which closes every logging handler that exists at
+# that moment. A handler an earlier test added on pytest's per-test capture stream (absl's, imported
+# with rouge-score) would then close the capture of whichever test first imports submitit, and every
+# later test in that process errors. Imported once here, before any test, it closes nothing of theirs.
+import submitit  # noqa: E402, F401
+
 from .helpers import FIXTURES  # noqa: E402
 
 

@@ -50,14 +50,15 @@ def sweep_alive(marker: dict) -> bool:
 def cell_states(run_dir: str | Path, ask_scheduler: bool = True) -> list[CellState]:
     """Every cell of the sweep folder: those its `sweep.json` lists, then any other cell folder.
     Without `ask_scheduler`, a cell whose SLURM job has written no record yet is `submitted`."""
-    from .jobs import LOCAL, SLURM, refresh_slurm, scheduler_state
-
     run_dir = Path(run_dir)
     plan = (read_json(run_dir / PLAN_FILE) or {}).get("cells", {})
     found = sorted({p.parent.name for name in (CELL_FILE, JOB_FILE) for p in run_dir.glob(f"*/{name}")})
     names = list(dict.fromkeys([*plan, *found]))
     records = {name: read_json(run_dir / name / CELL_FILE) for name in names}
     markers = {name: read_json(run_dir / name / JOB_FILE) for name in names}
+    if any(markers.values()):  # submitted jobs: their states come through submitit (not imported otherwise:
+        # its import reconfigures the process's logging, `logging.config.dictConfig`)
+        from .jobs import LOCAL, SLURM, refresh_slurm, scheduler_state
     if ask_scheduler:
         refresh_slurm([m for name, m in markers.items() if m is not None and records[name] is None])
     states = []
