@@ -135,15 +135,17 @@ def test_a_run_where_every_sample_failed_reports_no_retention(fixtures_dir, tmp_
 
 
 def test_strict_makes_a_missing_video_stop_the_run(fixtures_dir, tmp_path, one_video_missing):
+    missing, include_path = one_video_missing
     model_args = dict(
         pretrained=fixtures_dir / "qwen25vl", method="vanilla", max_num_frames=8, device="cpu", strict="true"
     )
-    proc = run_lmms_eval("resadapt_qwen25vl", model_args, tmp_path)
+    out = tmp_path / "out"
+    proc = run_lmms_eval("resadapt_qwen25vl", model_args, out, include_path)
     # lmms-eval's CLI prints the error and exits 0 (it re-raises only with --verbosity DEBUG),
     # but the evaluation stops: no results are written.
-    assert f"VideoDecodeError: video not found: {one_video_missing}" in proc.stdout + proc.stderr
-    assert not list(tmp_path.rglob("*_results.json"))
-    assert [r["doc_id"] for r in sidecar_records(tmp_path)] == [0, 1]
+    assert f"VideoDecodeError: video not found: {missing}" in proc.stdout + proc.stderr
+    assert not list(out.rglob("*_results.json"))
+    assert [r["doc_id"] for r in sidecar_records(out)] == [0, 1]
 
 
 def test_bad_model_args_give_clear_errors(fixtures_dir):

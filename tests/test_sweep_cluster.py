@@ -181,8 +181,12 @@ def test_an_interrupted_or_killed_sweep_leaves_no_lmms_eval_process(fixtures_dir
     out = tmp_path / "run"
     extra = ["--executor", "slurm", "--slurm-local"] if executor == "slurm-local" else []
     grid = ["--methods", "fixed_scale", "--retention", "0.5", "--limit", "2"]
-    sweep = subprocess.Popen(
-        sweep_cmd(out, *extra, grid=grid), cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    sweep = subprocess.Popen(  # with Ctrl-C's default action, which pytest-xdist's workers ignore
+        sweep_cmd(out, *extra, grid=grid),
+        cwd=REPO,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     (cell,) = wait_for(lambda: lmms_eval_processes(out), 300, "the cell's lmms-eval run")
     assert os.getpgid(cell) == cell != os.getpgid(sweep.pid)  # the leader of its own process group
