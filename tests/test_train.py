@@ -203,3 +203,10 @@ def test_engine_settings_that_cannot_work_stop_before_anything_loads(fixtures_di
     path.write_text(yaml.safe_dump(config))
     with pytest.raises(ValueError, match=message):
         build_trainer(path)
+
+
+def test_tensor_parallel_engines_under_several_processes_are_refused():
+    from resadapt_eval.train.vllm_rollouts import pin_engine_gpu
+
+    with pytest.raises(ValueError, match="tensor_parallel_size 2 with 4 processes"):
+        pin_engine_gpu("cuda:0", num_processes=4, tensor_parallel_size=2)

@@ -175,7 +175,7 @@ def build_trainer(config_path: str | Path, steps: int | None = None) -> Allocato
 
             state = PartialState()
             tensor_parallel = vllm_settings.get("tensor_parallel_size", 1)
-            pin_engine_gpu(state.local_process_index, state.num_processes, tensor_parallel)
+            pin_engine_gpu(device, state.num_processes, tensor_parallel)
         backbone = VLLMBackbone(
             family,
             pretrained,

@@ -30,11 +30,11 @@ STALE_WEIGHTS = (
 )
 
 
-def pin_engine_gpu(local_process_index: int, num_processes: int, tensor_parallel_size: int) -> None:
-    """Under `accelerate launch` with one process per GPU, process i's vLLM engine runs on GPU i,
-    beside its Allocator. vLLM's engine process takes the first GPU it sees, so it is started with
-    only this process's GPU visible (CUDA_VISIBLE_DEVICES, read by the engine process it spawns;
-    this process's own CUDA devices are already set)."""
+def pin_engine_gpu(device: str, num_processes: int, tensor_parallel_size: int) -> None:
+    """Under `accelerate launch` with one process per GPU, each process's vLLM engine runs on the
+    GPU of its Allocator, `device` (`cuda:i`). vLLM's engine process takes the first GPU it sees, so
+    the engine process this one spawns is started with only that GPU visible, named by its UUID
+    (which torch reports for the devices this process sees, whatever made them visible)."""
     if num_processes == 1:
         return
     if tensor_parallel_size != 1:
@@ -43,9 +43,8 @@ def pin_engine_gpu(local_process_index: int, num_processes: int, tensor_parallel
             "`accelerate launch` each process's engine takes its own GPU; for tensor parallel engines run one "
             "process per node"
         )
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    gpus = visible.split(",") if visible else [str(i) for i in range(torch.cuda.device_count())]
-    os.environ["CUDA_VISIBLE_DEVICES"] = gpus[local_process_index]
+    uuid = torch.cuda.get_device_properties(torch.device(device)).uuid
+    os.environ["CUDA_VISIBLE_DEVICES"] = f"GPU-{uuid}"  # the environment of the engine process vLLM spawns
 
 
 def request_seed(seed: int | None, allocation: int) -> int | None:
