@@ -65,7 +65,8 @@ ANSWER_MODES = ("generate", "choice_logits")
 class RolloutEngine:
     """What the trainer calls: `prompt(sample)`, `rollout_batch(prompts, scales, n, ...)` for a
     whole step, `budget_settings()` and `backbone_identity()` for the checkpoint. The default
-    `rollout_batch` answers one prompt after another through `rollouts`."""
+    `rollout_batch` answers one prompt after another through `rollouts` (HF generate is not
+    batched across prompts)."""
 
     def rollout_batch(
         self,
@@ -74,15 +75,15 @@ class RolloutEngine:
         n: int,
         keep_backbone_inputs: bool = False,
         seeds: list[int] | None = None,
-        clock: "StepClock | None" = None,
+        clock: StepClock | None = None,
     ) -> list[Rollouts]:
-        """Rollouts of every prompt of a step: scales[i] (M, T) for prompts[i], seeded by seeds[i]."""
+        """Rollouts of every prompt of a step: scales[i] (M, T) for prompts[i], seeded by seeds[i];
+        `rollouts` times its phases on `clock`."""
         seeds = seeds if seeds is not None else [None] * len(prompts)
-        with clock.phase("rollouts") if clock else nullcontext():
-            return [
-                self.rollouts(prompt, allocation, n, keep_backbone_inputs, seed)
-                for prompt, allocation, seed in zip(prompts, scales, seeds)
-            ]
+        return [
+            self.rollouts(prompt, allocation, n, keep_backbone_inputs, seed, clock)
+            for prompt, allocation, seed in zip(prompts, scales, seeds)
+        ]
 
     def backbone_identity(self) -> dict | None:
         """`backbone.json` of a checkpoint trained with this engine; None without a real backbone."""
@@ -308,14 +309,6 @@ class HFRolloutEngine(PlannedRollouts):
                 inputs if keep_backbone_inputs else None,
             )
 
-    def rollout_batch(self, prompts, scales, n, keep_backbone_inputs=False, seeds=None, clock=None) -> list[Rollouts]:
-        """One prompt after another (HF generate is not batched across prompts), each phase timed."""
-        seeds = seeds if seeds is not None else [None] * len(prompts)
-        return [
-            self.rollouts(prompt, allocation, n, keep_backbone_inputs, seed, clock)
-            for prompt, allocation, seed in zip(prompts, scales, seeds)
-        ]
-
 
 @dataclass
 class SimSample:
@@ -387,11 +380,13 @@ class SimulatedBackbone(RolloutEngine):
         n: int,
         keep_backbone_inputs: bool = False,
         seed: int | None = None,
+        clock: StepClock | None = None,
     ) -> Rollouts:
         """With `seed`, the noise comes from a generator seeded by it (the trainer's per-prompt seeds)."""
         rng = self.rng if seed is None else np.random.default_rng(seed)
-        q = self.quality(scales, prompt.sample.evidence)
-        score = np.clip(q[:, None] + rng.normal(0, self.noise, (len(scales), n)), 0, 1).astype(np.float32)
+        with clock.phase("rollout_generate") if clock else nullcontext():
+            q = self.quality(scales, prompt.sample.evidence)
+            score = np.clip(q[:, None] + rng.normal(0, self.noise, (len(scales), n)), 0, 1).astype(np.float32)
         return Rollouts(
             torch.from_numpy(score),
             torch.from_numpy((score > self.threshold).astype(np.float32)),
