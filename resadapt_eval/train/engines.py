@@ -66,7 +66,11 @@ class RolloutEngine:
     """What the trainer calls: `prompt(sample)`, `rollout_batch(prompts, scales, n, ...)` for a
     whole step, `budget_settings()` and `backbone_identity()` for the checkpoint. The default
     `rollout_batch` answers one prompt after another through `rollouts` (HF generate is not
-    batched across prompts)."""
+    batched across prompts). frames / pairs: the engine's caches of decoded videos and resized
+    pairs, None where it keeps none."""
+
+    frames: FrameCache | None = None
+    pairs: PairCache | None = None
 
     def rollout_batch(
         self,

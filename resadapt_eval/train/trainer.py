@@ -330,7 +330,7 @@ class AllocatorTrainer:
         """The step's seconds per phase (the slowest process's); its rollouts, their answers' tokens
         and the caches' hits and misses so far (summed over processes), for `metrics.jsonl`."""
         phases = ("decode", "features", "allocation", "rollout_build", "rollout_generate", "rewards", "update", "step")
-        frames, pairs = getattr(self.engine, "frames", None), getattr(self.engine, "pairs", None)
+        frames, pairs = self.engine.frames, self.engine.pairs
         answered = sum(r.task_reward.numel() for r in rollouts)
         tokens = sum(int(r.response_tokens.sum()) for r in rollouts if r.response_tokens is not None)
         counts = [
