@@ -46,14 +46,15 @@ import torch
 
 from resadapt_eval.backbones.qwen import ADAPTERS
 from resadapt_eval.budget.plan import InfeasibleBudget
-from resadapt_eval.compute.flops import dims_from_config, row_flops
+from resadapt_eval.compute.flops import dims_from_config
+from resadapt_eval.estimates import row_flops
 from resadapt_eval.fixtures import REAL_WIDTH, REDUCED_DEPTH, build_real_width, ensure_real_width
-from resadapt_eval.lmms.models import config_from_model_args
+from resadapt_eval.measure.clock import peak_memory_mb, reset_peak_memory
 from resadapt_eval.methods import AFTER_MERGER, BEFORE_ENCODER, INSIDE_LLM, METHODS, NO_RETENTION
 from resadapt_eval.pipeline import FLOOR_PROBE_TOKENS, Request, VideoPipeline
-from resadapt_eval.profile.clock import peak_memory_mb, reset_peak_memory
-from resadapt_eval.profile.latency import latency_rows, to_markdown
-from resadapt_eval.profile.run import synthetic_video
+from resadapt_eval.profile import synthetic_video
+from resadapt_eval.report.latency import latency_rows, to_markdown
+from resadapt_eval.runspec import config_from_model_args
 
 REPO = Path(__file__).resolve().parents[1]
 HF_METHODS = [name for name, method in METHODS.items() if method.hf]
@@ -358,7 +359,7 @@ def report(args, runs: list[Run], name: str, notes: list[str]) -> str:
         lines += ["## Failures", ""]
         lines += [f"- {r.backbone} {r.attn} {r.method} at {r.frames} frames: {'; '.join(r.problems)}" for r in failed]
         lines.append("")
-    lines += ["## The paper's latency columns (`profile.latency`)", ""]
+    lines += ["## The paper's latency columns (`report.latency`)", ""]
     for backbone in args.backbones:
         for attn in args.attn:
             groups = [

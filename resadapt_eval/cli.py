@@ -45,11 +45,11 @@ def cmd_fixtures(args) -> int:
 
 
 def cmd_sweep(args) -> int:
-    from .cluster.settings import SCALAR_KEYS, BadSlurmSetting, parse_pairs, slurm_settings
+    from .cluster.settings import SCALAR_KEYS, BadSlurmSetting, check_card_section, parse_pairs, slurm_settings
+    from .needle.data import ensure_needle_data
     from .sweep import (
         ChangedCells,
         check_cells,
-        ensure_needle_data,
         load_card,
         plan_cells,
         run_sweep,
@@ -69,6 +69,7 @@ def cmd_sweep(args) -> int:
                 f"{args.retention!r}"
             ) from None
         tasks = args.tasks.split(",") if args.tasks else card.tasks
+        check_card_section(card.slurm, args.card)  # whichever executor runs the sweep
         cells = plan_cells(args.methods.split(","), retentions, frames)
         check_cells(card, cells)  # every cell's model_args, as its model class checks them at start
         if args.retries < 0:
@@ -98,7 +99,7 @@ def cmd_sweep(args) -> int:
     except (ValueError, FileNotFoundError) as exc:  # a bad card, --model-args, cell or SLURM setting: stop first
         print(f"sweep: {exc}", file=sys.stderr)
         return 2
-    ensure_needle_data(card, args.limit)
+    ensure_needle_data(card.needle_data, args.limit)
     common = dict(
         launcher=args.launcher,
         limit=args.limit,
@@ -199,8 +200,8 @@ def cmd_tables(args) -> int:
         print(capo_ablation_markdown(ablation))
     timed = [run for run in runs if any("first_token_s" in r for r in run.records)]
     if timed:  # cells run by a version that times every stage: the paper's latency table
-        from .profile.latency import latency_rows, write_latency
-        from .profile.latency import to_markdown as latency_markdown
+        from .report.latency import latency_rows, write_latency
+        from .report.latency import to_markdown as latency_markdown
 
         rows = latency_rows([(run.method, run.frames, run.retention, run.records) for run in timed])
         write_latency(rows, out)
@@ -230,13 +231,15 @@ def cmd_demo(args) -> int:
     """The needle benchmark end to end on the committed weights, card by card: cued test videos
     (written if missing), a sweep through the real lmms-eval CLI, tables, plots and the needle
     report, in OUT/<card>/."""
-    from .sweep import ensure_needle_data, load_card
+    from .needle.data import ensure_needle_data
+    from .sweep import load_card
 
     root = Path(args.repo).resolve()
     status = 0
     for name in args.cards.split(","):
         card_path = root / "model_cards" / f"{name}.yaml"
-        data = ensure_needle_data(load_card(card_path), args.limit, echo=lambda *_: None)  # the sweep prints it
+        card = load_card(card_path)
+        data = ensure_needle_data(card.needle_data, args.limit, echo=lambda *_: None)  # the sweep prints it
         if data is None:
             raise SystemExit(f"resadapt-eval demo: card {name} has no needle_data (the demo runs needle cards)")
         out = Path(args.out).resolve() / name
@@ -344,7 +347,8 @@ def cmd_flops(args) -> int:
     """The latency table's TFLOPs per (method, frames) from configs alone: linear layers of the
     prefill (the paper's counting), then attention scores, the method's own work, the Allocator's
     and decode beside."""
-    from .compute.flops import TERA, row_flops
+    from .compute.flops import TERA
+    from .estimates import row_flops
     from .methods import NO_RETENTION
 
     try:
@@ -457,7 +461,7 @@ def print_memory_plan(args, dims, size_hw, frame_counts, methods, allocator, bud
     """The memory plan per (method, frames): GiB of tensors at the sample's peak on the HF path,
     split into weights, KV cache, vision and LLM activations and the method's own, and whether it
     fits `budget` bytes less `headroom` (`compute/memory.py`)."""
-    from .compute.memory import row_memory
+    from .estimates import row_memory
     from .methods import NO_RETENTION
 
     gib = 2**30
@@ -556,7 +560,7 @@ def flops_settings(args):
 
 
 def cmd_profile(args) -> int:
-    from .profile.run import ProfileSettings, print_rows, profile
+    from .profile import ProfileSettings, print_rows, profile
     from .sweep import load_card
 
     card = load_card(args.card)

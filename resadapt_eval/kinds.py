@@ -35,9 +35,9 @@ from .baselines.inside_llm import entering_tokens, layer_counts
 from .budget import policies
 from .budget.plan import InfeasibleBudget, ResizePlan
 from .budget.tokens import TokenBudget, engine_kept_tokens
-from .compute.counting import CountedCall
 from .compute.flops import ENGINE_PRUNING, SIMILARITY, BackboneDims, recomputed_attention, similarity_width
-from .profile.clock import peak_memory_mb, reset_peak_memory
+from .measure.clock import peak_memory_mb, reset_peak_memory
+from .measure.counting import CountedCall
 
 if TYPE_CHECKING:
     from .budget.planner import Planner
@@ -282,7 +282,7 @@ def probe_schedule(spec: RunSpec, dims: BackboneDims) -> None:
 
 
 class InLLMPruner(InModel):
-    """Prunes visual tokens between decoder layers (`inside_llm.LayerPruner`): every visual token of
+    """Prunes visual tokens between decoder layers (`backbones/layer_pruning.LayerPruner`): every visual token of
     the plan enters the LLM, the method's schedule keeps fewer from its stage layers on, and R is
     their layer average."""
 

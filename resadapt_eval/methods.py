@@ -86,7 +86,8 @@ class Method:
     compress: `(VisualTokens, keep, seed) -> Compression`; prune: `(num_layers, visual, retention,
     layers, first_layer) -> [Stage]`, an in-LLM schedule (`baselines/inside_llm.py`: retention is
     layer-averaged; after a compressor, its own share of the tokens that entered); decode_prune:
-    `(num_layers, visual, retention, first_layer) -> DecodeStage` (`baselines/decode_pruning.py`);
+    `(num_layers, visual, retention, first_layer) -> DecodeStage` (`baselines/inside_llm.py`, run
+    by `backbones/decode_pruning.py`);
     engine_pruning: vLLM's `video_pruning_method`, run at `video_pruning_rate` = `pruning_rate(R)`.
     Defaults: needs_allocator: its scales come from the Allocator (`allocator=`, frame selection);
     needs_attention: its compressor reads the attention received in the last ViT block;

@@ -11,73 +11,25 @@ budget, input building), called the same way for every method, never chosen by i
 
 from __future__ import annotations
 
-import os
 import time
 from dataclasses import dataclass, field
 from typing import Callable
 
 import numpy as np
-import torch
 
 from .backbones.layout import Backbone, EngineOutput
 from .budget.plan import ResizePlan
 from .budget.planner import Planner
-from .budget.policies import BudgetSpec
 from .budget.tokens import TokenBudget
 from .compute.flops import dims_from_config
 from .kinds import FLOOR_PROBE_TOKENS, ModelInputs
 from .methods import METHODS
 from .record import SampleRecord, build_record
-from .runspec import RunSpec
+from .runspec import RunSpec, VideoPipelineConfig
 from .video import DecodedVideo, decode_video, read_image
 
 # FLOOR_PROBE_TOKENS (the in-LLM floor probe, `kinds.py`) is re-exported: benchmarks/gpu_check.py reads it here
 __all__ = ["FLOOR_PROBE_TOKENS", "Request", "VideoPipeline", "VideoPipelineConfig"]
-
-
-@dataclass
-class VideoPipelineConfig:
-    """Per-run settings. min_pixels/max_pixels bound one frame's base (vanilla) area in pixels;
-    strict: raise a failed sample's exception instead of recording it; num_threads: torch's
-    intra-op threads for this process (None: torch's default for one process, the machine's CPUs
-    divided among the processes when several run, see `apply_num_threads`); prune_layers: the
-    decoder layers where an inside-the-LLM method prunes, comma-separated (None: the method's own);
-    allocator_query: what the Allocator reads as the query, `question` or `empty` (the ablation).
-    These are the parsed model_args; the pipeline runs with them resolved (`RunSpec.resolve`)."""
-
-    method: str = "vanilla"
-    max_num_frames: int = 32
-    min_pixels: int | None = None
-    max_pixels: int | None = None
-    budget: BudgetSpec = field(default_factory=BudgetSpec)
-    allocator: str | None = None
-    allocator_inference: str = "mean"
-    allocator_quantile: float = 0.5
-    allocator_seed: int = 0
-    allocator_query: str = "question"
-    compression_seed: int = 0
-    operator: str = "resize"
-    candidates: int = 128
-    top_k: int | None = 32
-    score_threshold: float | None = None
-    strict: bool = False
-    num_threads: int | None = None
-    prune_layers: str | None = None
-
-    def __post_init__(self):
-        RunSpec.resolve(self)  # every bad setting stops here, naming its argument
-
-    def apply_num_threads(self, processes: int) -> int:
-        """Set torch's intra-op threads for this process and return them: `num_threads` if given;
-        else, with `processes` > 1 data-parallel processes (assumed on one machine), the CPUs this
-        process may use divided among them (at least 1), since each process taking all of them
-        oversubscribes the cores; else torch's default, unchanged."""
-        threads = self.num_threads
-        if threads is None and processes > 1:
-            threads = max(1, len(os.sched_getaffinity(0)) // processes)
-        if threads is not None:
-            torch.set_num_threads(threads)
-        return torch.get_num_threads()
 
 
 @dataclass(frozen=True)
@@ -133,7 +85,7 @@ class Planned:
 class Built:
     """The engine's request; merged_sizes: group sizes of a token compressor, compressor_flops: its
     work as counted, vision_s: its vision tower's seconds, peak_memory_mb: the peak while it encoded
-    and compressed (`profile.clock`; None for other methods, whose tower runs inside the engine
+    and compressed (`measure.clock`; None for other methods, whose tower runs inside the engine
     call); seconds: building time, resize_s of it resizing frames. The placeholders the request
     must hold are its token budget's."""
 

@@ -37,7 +37,7 @@ class SampleRecord:
     inputs, resize included), generate_s (this sample's share of the engine call), vision_s (the
     vision tower, inside generate_s or, for a compressor, in preprocess_s; None on vLLM),
     first_token_s (the engine starting this request to its first token: vision tower and prefill),
-    per_token_s (each later token), peak_memory_mb (`profile.clock.peak_memory_mb`: on CUDA
+    per_token_s (each later token), peak_memory_mb (`measure.clock.peak_memory_mb`: on CUDA
     `torch.cuda.max_memory_allocated` in MiB since a reset before the engine call and, for a token
     compressor, before it encoded and compressed, the larger of the two; None on vLLM).
     Stage clocks are CUDA events on a GPU, wall clocks on CPU. error: `ExceptionType: message`.

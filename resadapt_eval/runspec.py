@@ -1,6 +1,7 @@
 """The run spec: a run's settings resolved once, at model build, into one frozen value.
 
-`RunSpec.resolve` turns the parsed model_args (`pipeline.VideoPipelineConfig`, names and strings)
+`RunSpec.resolve` turns the parsed model_args (`VideoPipelineConfig`, names and strings, read from
+lmms-eval's model_args by `config_from_model_args`)
 into the `Method` object, its kind for this run, the retention and budget rule with their pair
 bounds (`BudgetSpec`), the operator as an `Operator`, the stage layers as numbers, and the other
 settings as given, checking them all (every bad setting stops here, naming its argument).
@@ -11,23 +12,70 @@ string outside the registry (`methods.py`) and this module.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import get_args, get_type_hints
 
+import torch
+from loguru import logger
+
+from .allocator import BUDGET_FILE, UNTRAINED, budget_source, check_checkpoint, known_allocators, training_budget
 from .budget.policies import BudgetSpec
 from .budget.selection import OPERATORS, Operator
 from .kinds import FRAME_SELECTION, MethodKind
 from .methods import NO_RETENTION, REQUIRED_RETENTION, Method, get_method
 
-if TYPE_CHECKING:
-    from .pipeline import VideoPipelineConfig
-
 ALLOCATOR_QUERIES = ("question", "empty")
+
+
+@dataclass
+class VideoPipelineConfig:
+    """Per-run settings. min_pixels/max_pixels bound one frame's base (vanilla) area in pixels;
+    strict: raise a failed sample's exception instead of recording it; num_threads: torch's
+    intra-op threads for this process (None: torch's default for one process, the machine's CPUs
+    divided among the processes when several run, see `apply_num_threads`); prune_layers: the
+    decoder layers where an inside-the-LLM method prunes, comma-separated (None: the method's own);
+    allocator_query: what the Allocator reads as the query, `question` or `empty` (the ablation).
+    These are the parsed model_args; the pipeline runs with them resolved (`RunSpec.resolve`)."""
+
+    method: str = "vanilla"
+    max_num_frames: int = 32
+    min_pixels: int | None = None
+    max_pixels: int | None = None
+    budget: BudgetSpec = field(default_factory=BudgetSpec)
+    allocator: str | None = None
+    allocator_inference: str = "mean"
+    allocator_quantile: float = 0.5
+    allocator_seed: int = 0
+    allocator_query: str = "question"
+    compression_seed: int = 0
+    operator: str = "resize"
+    candidates: int = 128
+    top_k: int | None = 32
+    score_threshold: float | None = None
+    strict: bool = False
+    num_threads: int | None = None
+    prune_layers: str | None = None
+
+    def __post_init__(self):
+        RunSpec.resolve(self)  # every bad setting stops here, naming its argument
+
+    def apply_num_threads(self, processes: int) -> int:
+        """Set torch's intra-op threads for this process and return them: `num_threads` if given;
+        else, with `processes` > 1 data-parallel processes (assumed on one machine), the CPUs this
+        process may use divided among them (at least 1), since each process taking all of them
+        oversubscribes the cores; else torch's default, unchanged."""
+        threads = self.num_threads
+        if threads is None and processes > 1:
+            threads = max(1, len(os.sched_getaffinity(0)) // processes)
+        if threads is not None:
+            torch.set_num_threads(threads)
+        return torch.get_num_threads()
 
 
 @dataclass(frozen=True)
 class RunSpec:
-    """One run's resolved settings (see `pipeline.VideoPipelineConfig` for each one's meaning).
+    """One run's resolved settings (see `VideoPipelineConfig` for each one's meaning).
 
     method: the registered `Method`; kind: what this run does (`method.kind`, or frame selection
     under a selecting operator); budget: the retention, budget rule and pair bounds; operator: the
@@ -35,23 +83,23 @@ class RunSpec:
     prune_layers_text: the same as given (for messages)."""
 
     method: Method
-    budget: BudgetSpec = field(default_factory=BudgetSpec)
-    operator: Operator = Operator.RESIZE
-    prune_layers: tuple[int, ...] | None = None
-    prune_layers_text: str | None = None
-    max_num_frames: int = 32
-    candidates: int = 128
-    top_k: int | None = 32
-    score_threshold: float | None = None
-    min_pixels: int | None = None
-    max_pixels: int | None = None
-    allocator: str | None = None
-    allocator_inference: str = "mean"
-    allocator_quantile: float = 0.5
-    allocator_seed: int = 0
-    allocator_query: str = "question"
-    compression_seed: int = 0
-    strict: bool = False
+    budget: BudgetSpec
+    operator: Operator
+    prune_layers: tuple[int, ...] | None
+    prune_layers_text: str | None
+    max_num_frames: int
+    candidates: int
+    top_k: int | None
+    score_threshold: float | None
+    min_pixels: int | None
+    max_pixels: int | None
+    allocator: str | None
+    allocator_inference: str
+    allocator_quantile: float
+    allocator_seed: int
+    allocator_query: str
+    compression_seed: int
+    strict: bool
     kind: MethodKind = field(init=False)
 
     def __post_init__(self):
@@ -80,9 +128,14 @@ class RunSpec:
     @classmethod
     def named(cls, method: str, retention: float | None = None, prune_layers: list[int] | None = None) -> RunSpec:
         """The spec of registered method `method` at `retention` with the other settings at their
-        defaults (the config-only FLOPs table plans with it)."""
-        layers = None if prune_layers is None else tuple(prune_layers)
-        return cls(get_method(method), BudgetSpec(retention=retention), prune_layers=layers)
+        defaults (the config-only FLOPs table plans with it; a method scored by the Allocator names
+        the untrained one, which the table never loads)."""
+        allocator = UNTRAINED if get_method(method).needs_allocator else None
+        layers = None if prune_layers is None else ",".join(str(layer) for layer in prune_layers)
+        config = VideoPipelineConfig(
+            method, budget=BudgetSpec(retention=retention), allocator=allocator, prune_layers=layers
+        )
+        return cls.resolve(config)
 
     @classmethod
     def resolve(cls, config: VideoPipelineConfig | RunSpec) -> RunSpec:
@@ -102,8 +155,6 @@ class RunSpec:
         if config.allocator is not None and not method.needs_allocator:
             raise ValueError(f"allocator= is only used by method=resadapt, not {config.method!r}")
         if config.allocator is None and method.needs_allocator:
-            from .allocator import UNTRAINED, known_allocators
-
             known = "; ".join(known_allocators()) or "none in this installation"
             raise ValueError(
                 f"method={config.method} needs model_args allocator=<checkpoint folder> (committed: {known}), "
@@ -181,3 +232,74 @@ def _prune_layers(config: VideoPipelineConfig, method: Method) -> tuple[int, ...
             f"prunes at {count} layer{'s' if count > 1 else ''}"
         )
     return layers
+
+
+def config_from_model_args(**model_args) -> VideoPipelineConfig:
+    """`VideoPipelineConfig` from lmms-eval model_args (strings or numbers): every field of the
+    config and of its `BudgetSpec` is a model_arg of the same name, cast to the field's type
+    (`none` for an optional one); an unknown name or a value of the wrong type is an error naming it.
+    An Allocator checkpoint's training budget (`budget.json`) fills the settings not given, and a
+    given one that differs from it is warned about."""
+    fields = {**get_type_hints(VideoPipelineConfig), **get_type_hints(BudgetSpec)}
+    fields.pop("budget")
+    unknown = sorted(set(model_args) - set(fields))
+    if unknown:
+        raise ValueError(
+            f"unknown model_args {', '.join(unknown)}; known: pretrained, device, dtype, attn_implementation, "
+            f"sidecar_dir, {', '.join(fields)}"
+        )
+    if isinstance(model_args.get("prune_layers"), float) and model_args["prune_layers"].is_integer():
+        model_args["prune_layers"] = int(model_args["prune_layers"])  # lmms-eval reads `-1` as -1.0
+    values = {name: cast_model_arg(name, value, fields[name]) for name, value in model_args.items()}
+    values = _with_training_budget(values)
+    budget = BudgetSpec(**{name: values.pop(name) for name in get_type_hints(BudgetSpec) if name in values})
+    return VideoPipelineConfig(budget=budget, **values)
+
+
+def _with_training_budget(values: dict) -> dict:
+    """`values` with the settings of the Allocator checkpoint's training budget that were not given
+    (its config.json checked too); a checkpoint without one is warned about."""
+    trained = training_budget(values.get("allocator"))
+    check_checkpoint(values.get("allocator"))
+    if budget_source(values.get("allocator")) == "missing":
+        given = {k: values[k] for k in ("s_min", "s_max") if k in values}
+        s_range = given or "the default s in [0.2, 1.8]"
+        logger.warning(
+            f"the Allocator {values['allocator']} has no {BUDGET_FILE}: the budget it was trained under (scale "
+            f"range, token bounds, frames, pixels) is unknown, so this run uses model_args and the defaults "
+            f"({s_range}); every sidecar record says allocator_budget=missing"
+        )
+    taken = {key: value for key, value in trained.items() if key not in values}
+    for key, value in trained.items():
+        if key in values and values[key] != value:
+            logger.warning(
+                f"model_args {key}={values[key]} differs from the {key}={value} the Allocator {values['allocator']} "
+                f"was trained with (its {BUDGET_FILE}); running with {key}={values[key]}"
+            )
+    if taken:
+        settings = ", ".join(f"{k}={v}" for k, v in taken.items())
+        logger.info(f"budget settings from the Allocator's training ({values['allocator']}/{BUDGET_FILE}): {settings}")
+    return {**values, **taken}
+
+
+def cast_model_arg(name: str, value, hint):
+    """`value` as type `hint` (`int`, `float`, `str`, `bool` or one of them `| None`)."""
+    options = [t for t in get_args(hint) if t is not type(None)] or [hint]
+    if len(options) < len(get_args(hint)) and (value is None or str(value).strip().lower() == "none"):
+        return None
+    try:
+        return _flag(value) if options[0] is bool else options[0](value)
+    except (TypeError, ValueError):
+        raise ValueError(f"model_args {name}={value!r}: expected {' or '.join(t.__name__ for t in options)}") from None
+
+
+def _flag(value) -> bool:
+    """A boolean model_arg: true/false, 1/0, yes/no (lmms-eval passes them as strings or bools)."""
+    if isinstance(value, bool):
+        return value
+    text = str(value).strip().lower()
+    if text in ("true", "1", "yes"):
+        return True
+    if text in ("false", "0", "no"):
+        return False
+    raise ValueError(f"expected true or false, got {value!r}")

@@ -14,17 +14,15 @@ attempt) and `started.json` (written by the cell's process: pid, host, time); `<
 lists every cell the sweep commands asked for, so a report can name the ones still missing.
 `run_sweep` runs the cells here, one after another; `cluster.jobs.submit_sweep` submits them as
 submitit jobs (SLURM, or submitit's local executor). Either way each lmms-eval run is in its own
-process group, ended with the process that started it (`cluster.guard`).
+process group, ended with the process that started it (`guard`).
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-import os
 import shlex
 import shutil
-import socket
 import sys
 import time
 from dataclasses import asdict, dataclass, field, replace
@@ -32,18 +30,23 @@ from pathlib import Path
 
 import yaml
 
-from .cluster.guard import ENDED_EXIT, run_guarded
-from .cluster.settings import CARD_KEYS as SLURM_KEYS
+from .cells import (
+    CELL_FILE,
+    JOB_FILE,
+    LOG_FILE,
+    PLAN_FILE,
+    STARTED_FILE,
+    read_cell,
+    read_json,
+    this_process,
+    write_marker,
+)
+from .guard import ENDED_EXIT, run_guarded
 from .manifest import read_manifests, versions, write_json
 
 # The method registry and the lmms-eval model names are imported where they are used: a cell's
 # job process (cluster/jobs.py) needs neither, and would otherwise load torch before its cell starts.
 
-CELL_FILE = "cell.json"
-JOB_FILE = "submitted.json"  # the sweep's: executor, job id, attempt (kept when the cell starts over)
-STARTED_FILE = "started.json"  # the cell process's: pid, host, start time
-PLAN_FILE = "sweep.json"  # in the sweep folder: every cell asked for
-LOG_FILE = "lmms_eval.log"
 # model_args every cell sets itself, and where a sweep takes them instead
 CELL_MODEL_ARGS = {
     "pretrained": "the card's `pretrained:`",
@@ -63,7 +66,7 @@ class ModelCard:
     lmms-eval --gen_kwargs; tasks / include_path: default tasks and where custom tasks live;
     paper_backbone: the paper's name for this backbone (for `tables --paper`); description: Markdown;
     needle_data: a needle test split the card's task reads, written before the sweep when missing
-    (`variant`, `out` (folder, relative to the card), `videos`, `cue`; see `ensure_needle_data`);
+    (`variant`, `out` (folder, relative to the card), `videos`, `cue`; see `needle.data.ensure_needle_data`);
     slurm: the jobs' SLURM settings for `sweep --executor slurm` (`cluster.settings.SlurmSettings`;
     not part of a cell's configuration: where a cell runs does not change its result).
     """
@@ -123,12 +126,7 @@ def load_card(path: str | Path) -> ModelCard:
             raise ValueError(f"{path}: needle_data takes variant, out, videos, cue (out required); got {sorted(data)}")
         data["out"] = str((path.parent / data["out"]).resolve())
         raw["needle_data"] = data
-    raw["slurm"] = raw.get("slurm") or {}
-    if not isinstance(raw["slurm"], dict) or set(raw["slurm"]) - set(SLURM_KEYS):
-        raise ValueError(
-            f"{path}: slurm takes a mapping of SLURM settings with keys {list(SLURM_KEYS)} (docs/cluster.md), "
-            f"got {raw['slurm']!r}"
-        )
+    raw["slurm"] = raw.get("slurm") or {}  # checked by the sweep command (`cluster.settings.check_card_section`)
     return ModelCard(**raw)
 
 
@@ -158,23 +156,6 @@ def with_model_args(card: ModelCard, pairs: str) -> ModelCard:
         allocator = str(Path(allocator).resolve()) if Path(allocator).exists() else allocator
     model_args = {**card.model_args, **checked_model_args(extra, "--model-args")}
     return replace(card, model_args=model_args, allocator=allocator or card.allocator)
-
-
-def ensure_needle_data(card: ModelCard, limit: int | None = None, echo=print) -> Path | None:
-    """Write the card's needle test split when it is missing or short: `videos` rows (`limit`
-    rows when a sweep reads only its first `limit`) of `resadapt-eval needle make-data --variant V
-    [--cue] --out OUT`'s test split; a later, longer sweep extends it with the same videos first."""
-    if card.needle_data is None:
-        return None
-    from .needle.data import ensure_test_split
-
-    data = card.needle_data
-    count = limit or int(data.get("videos", 400))
-    jsonl = ensure_test_split(
-        data["out"], count, cue=bool(data.get("cue", True)), variant=data.get("variant", "single")
-    )
-    echo(f"needle data: {jsonl}")
-    return jsonl
 
 
 @dataclass(frozen=True)
@@ -303,14 +284,6 @@ def cell_command(
     return cmd
 
 
-def read_json(path: Path) -> dict | None:
-    return json.loads(path.read_text()) if path.is_file() else None
-
-
-def read_cell(cell_dir: Path) -> dict | None:
-    return read_json(cell_dir / CELL_FILE)
-
-
 class ChangedCells(ValueError):
     """The output holds finished cells computed under another configuration."""
 
@@ -360,23 +333,6 @@ def write_plan(output: Path, card: ModelCard, cells: list[Cell], tasks: list[str
     for cell in cells:
         plan["cells"][cell.name] = dict(card=card.name, backbone=card.backbone, **asdict(cell), tasks=list(tasks))
     write_json(output / PLAN_FILE, plan)
-
-
-def write_marker(cell_dir: Path, executor: str, job_id: str | None, attempt: int, attempts: int, key: str, **extra):
-    """The cell's `submitted.json`: which executor runs it under which job id, its attempt of
-    `attempts` in this sweep command, its configuration key; the previous attempts' markers in
-    `history`."""
-    previous = read_json(cell_dir / JOB_FILE)
-    history = [] if previous is None else [*previous.pop("history", []), previous]
-    marker = dict(
-        executor=executor, job_id=job_id, attempt=attempt, attempts=attempts, key=key, submitted=time.time(), **extra
-    )
-    write_json(cell_dir / JOB_FILE, {**marker, "history": history[-10:]})
-    return marker
-
-
-def this_process() -> dict:
-    return dict(pid=os.getpid(), host=socket.gethostname())
 
 
 def run_sweep(
@@ -462,7 +418,7 @@ def run_cell(
 ) -> dict:
     """Run one cell from scratch (its lmms-eval command line `cmd`, `cell_command`) and write its
     `cell.json` (last). The lmms-eval run is in its own process group, ended when this process or a
-    `watch` process ends (`cluster.guard`); `job` (executor, job id) goes into the record with this
+    `watch` process ends (`guard`); `job` (executor, job id) goes into the record with this
     process's pid and host."""
     clear_cell_dir(cell_dir)
     job = {**(job or {}), **this_process()}

@@ -288,7 +288,7 @@ def plain_run(model, embeds: torch.Tensor, layer: int):
 def pruned_run(model, embeds: torch.Tensor, stage, visual: torch.Tensor):
     """Our `LayerPruner` on the same input (`stage`: an `inside_llm.Stage`): the prompt indices layer
     `stage.layer` sees and its input hidden states."""
-    from resadapt_eval.baselines.inside_llm import LayerPruner
+    from resadapt_eval.backbones.layer_pruning import LayerPruner
 
     pruner, seen = LayerPruner(model, [stage], visual), {}
 

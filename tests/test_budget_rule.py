@@ -10,8 +10,8 @@ from resadapt_eval.budget.plan import QWEN3VL_GRID, QWEN25VL_GRID
 from resadapt_eval.budget.planner import Planner
 from resadapt_eval.budget.policies import BudgetSpec, fixed_scale
 from resadapt_eval.budget.selection import Operator
-from resadapt_eval.lmms.models import config_from_model_args
 from resadapt_eval.pipeline import Request, VideoPipeline, VideoPipelineConfig
+from resadapt_eval.runspec import config_from_model_args
 
 GRIDS = {"qwen25vl": QWEN25VL_GRID, "qwen3vl": QWEN3VL_GRID}
 SOURCES = {"1280x720": (720, 1280), "640x360": (360, 640), "1920x1080": (1080, 1920), "480x640": (640, 480)}

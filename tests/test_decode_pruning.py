@@ -6,9 +6,10 @@ decoding FLOPs drop."""
 import pytest
 import torch
 
+from resadapt_eval.backbones.decode_pruning import DecodePruner
 from resadapt_eval.backbones.layout import VIDEO_TOKEN_TYPE
 from resadapt_eval.baselines import dycoke
-from resadapt_eval.baselines.decode_pruning import DecodePruner, DecodeStage
+from resadapt_eval.baselines.inside_llm import DecodeStage
 from resadapt_eval.budget.plan import plan_from_scales
 from resadapt_eval.budget.policies import BudgetSpec
 from resadapt_eval.compute.flops import decode_flops, dims_from_config

@@ -334,7 +334,7 @@ def text_inputs(model, length: int):
 
 @pytest.mark.parametrize("family", ["qwen25vl", "qwen3vl"])
 def test_the_in_llm_rankings_and_merge_run_on_the_llm_s_device(tiny_models, family):
-    from resadapt_eval.baselines.inside_llm import (
+    from resadapt_eval.backbones.layer_pruning import (
         last_token_attention,
         merge_into_nearest,
         query_attention,
@@ -365,7 +365,8 @@ def test_a_pruning_stage_runs_through_its_layer_on_the_llm_s_device(tiny_models,
     """The prefill up to the layer after the stage: ranking in the layer before (or the stage's own
     input), the CPU selection, the pruned hidden states, rotary, positions and mask in the stage's
     layer. The next layer's hook asks whether the pruned length is above 1, a question about data."""
-    from resadapt_eval.baselines.inside_llm import LayerPruner, Stage
+    from resadapt_eval.backbones.layer_pruning import LayerPruner
+    from resadapt_eval.baselines.inside_llm import Stage
 
     class Stop(Exception):
         pass
@@ -393,7 +394,8 @@ def test_a_decoding_step_selects_the_visual_keys_on_the_llm_s_device(tiny_models
     """DyCoke's decoding stage: the prefill, then the first decoding step (ranking in the layer before
     the stage, the CPU selection, the selecting cache and the cut mask from the stage on). Later steps
     compare the attention with the previous step's, a question about data."""
-    from resadapt_eval.baselines.decode_pruning import DecodePruner, DecodeStage
+    from resadapt_eval.backbones.decode_pruning import DecodePruner
+    from resadapt_eval.baselines.inside_llm import DecodeStage
 
     model, _ = tiny_models[family]
     stage = DecodeStage(3, 4, 0.9)

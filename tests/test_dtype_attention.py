@@ -31,8 +31,8 @@ import torch
 from transformers import LogitsProcessor
 
 from resadapt_eval.backbones import qwen
-from resadapt_eval.baselines.decode_pruning import DecodePruner
-from resadapt_eval.baselines.inside_llm import LayerPruner
+from resadapt_eval.backbones.decode_pruning import DecodePruner
+from resadapt_eval.backbones.layer_pruning import LayerPruner
 from resadapt_eval.budget.plan import plan_from_scales
 from resadapt_eval.budget.policies import BudgetSpec
 from resadapt_eval.methods import IN_ENGINE, METHODS, NO_RETENTION

@@ -38,9 +38,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from resadapt_eval.backbones.decode_pruning import DecodePruner
 from resadapt_eval.baselines import dycoke
 from resadapt_eval.baselines.common import VisualTokens, merge_groups, per_pair_budget
-from resadapt_eval.baselines.decode_pruning import DecodePruner
 
 CASES = 20
 # (frames, tokens per frame): odd and even frame counts and token counts, 2 to 10 frames

@@ -24,7 +24,8 @@ import torch.nn.functional as F
 from resadapt_eval.backbones.vllm_engine import VLLMBackbone
 from resadapt_eval.baselines.common import kept_count
 from resadapt_eval.budget.plan import InfeasibleBudget, TokenGrid, plan_from_scales
-from resadapt_eval.compute.flops import evs_similarity, load_dims, method_flops, row_flops
+from resadapt_eval.compute.flops import evs_similarity, load_dims, method_flops
+from resadapt_eval.estimates import row_flops
 from resadapt_eval.methods import get_method
 
 MERGE = 2  # Qwen2.5-VL's spatial_merge_size

@@ -22,9 +22,10 @@ import numpy as np
 import pytest
 import torch
 
+from resadapt_eval.backbones.layer_pruning import LayerPruner
 from resadapt_eval.backbones.layout import VIDEO_TOKEN_TYPE
 from resadapt_eval.baselines import fastv, pyramiddrop
-from resadapt_eval.baselines.inside_llm import LAST_TOKEN, STAGE_INPUT, LayerPruner, layer_average
+from resadapt_eval.baselines.inside_llm import LAST_TOKEN, STAGE_INPUT, layer_average
 from resadapt_eval.budget.plan import plan_from_scales
 
 from .helpers import chat_prompt, synthetic_video

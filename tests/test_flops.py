@@ -8,9 +8,10 @@ from transformers.vision_utils import get_vision_window_index
 from resadapt_eval.allocator.model import Allocator, AllocatorConfig
 from resadapt_eval.budget.policies import BudgetSpec
 from resadapt_eval.cli import main
-from resadapt_eval.compute.counting import flop_counter
-from resadapt_eval.compute.flops import dims_from_config, load_dims, method_flops, ranking_flops, row_flops, segments
+from resadapt_eval.compute.flops import dims_from_config, load_dims, method_flops, ranking_flops, segments
+from resadapt_eval.estimates import row_flops
 from resadapt_eval.manifest import run_summary, sample_totals
+from resadapt_eval.measure.counting import flop_counter
 from resadapt_eval.methods import BEFORE_ENCODER, METHODS, get_method
 from resadapt_eval.pipeline import VideoPipeline, VideoPipelineConfig
 

@@ -7,10 +7,11 @@ import math
 import pytest
 import torch
 
+from resadapt_eval.backbones.layer_pruning import LayerPruner, last_token_attention
 from resadapt_eval.backbones.layout import VIDEO_TOKEN_TYPE
 from resadapt_eval.backbones.qwen import PrunedInputs
 from resadapt_eval.baselines import fastv, pyramiddrop
-from resadapt_eval.baselines.inside_llm import LayerPruner, Stage, last_token_attention, layer_average, layer_counts
+from resadapt_eval.baselines.inside_llm import Stage, layer_average, layer_counts
 from resadapt_eval.budget.plan import InfeasibleBudget, plan_from_scales
 from resadapt_eval.budget.policies import BudgetSpec
 from resadapt_eval.methods import METHODS

@@ -10,7 +10,8 @@ import pytest
 from resadapt_eval.budget.plan import InfeasibleBudget
 from resadapt_eval.budget.policies import BudgetSpec
 from resadapt_eval.budget.selection import Operator
-from resadapt_eval.compute.flops import dims_from_config, load_dims, row_flops, row_plan
+from resadapt_eval.compute.flops import dims_from_config, load_dims
+from resadapt_eval.estimates import row_flops, row_plan
 from resadapt_eval.kinds import ENGINE_PRUNER, FRAME_SELECTION, KINDS, RESIZE_POLICY, FrameScales, MethodKind
 from resadapt_eval.methods import METHODS, NO_RETENTION, Method, register
 from resadapt_eval.pipeline import VideoPipeline, VideoPipelineConfig

@@ -13,10 +13,11 @@ from transformers import AutoConfig, AutoModelForImageTextToText, DynamicCache
 from resadapt_eval.budget.policies import BudgetSpec
 from resadapt_eval.cli import main
 from resadapt_eval.compute.configs import KNOWN_CONFIGS
-from resadapt_eval.compute.flops import dims_from_config, load_dims, row_plan
-from resadapt_eval.compute.memory import kv_cache_bytes, parameter_count, row_memory, weight_bytes
+from resadapt_eval.compute.flops import dims_from_config, load_dims
+from resadapt_eval.compute.memory import kv_cache_bytes, parameter_count, weight_bytes
+from resadapt_eval.estimates import row_memory, row_plan
+from resadapt_eval.measure import clock
 from resadapt_eval.pipeline import VideoPipeline, VideoPipelineConfig
-from resadapt_eval.profile import clock
 
 from .helpers import video_request
 

@@ -195,7 +195,8 @@ def test_needle_cards_write_their_test_split_on_demand(name, variant, folder, tm
     from dataclasses import replace
     from pathlib import Path
 
-    from resadapt_eval.sweep import ensure_needle_data, load_card
+    from resadapt_eval.needle.data import ensure_needle_data
+    from resadapt_eval.sweep import load_card
 
     cards = Path(__file__).resolve().parent.parent / "model_cards"
     card = load_card(cards / f"{name}.yaml")
@@ -205,11 +206,12 @@ def test_needle_cards_write_their_test_split_on_demand(name, variant, folder, tm
     assert card.tasks == [task] and (cards.parent / "tasks" / task / f"{task}.yaml").is_file()
     # a fresh clone: the folder is missing, the sweep writes the split (here 2 videos, into tmp_path)
     small = replace(card, needle_data={**card.needle_data, "out": str(tmp_path), "videos": 2})
-    jsonl = ensure_needle_data(small, echo=lambda *_: None)
+    jsonl = ensure_needle_data(small.needle_data, echo=lambda *_: None)
     rows = [json.loads(line) for line in jsonl.read_text().splitlines()]
     assert len(rows) == 2 and {r["variant"] for r in rows} == {variant}
     written = jsonl.stat().st_mtime_ns
-    assert ensure_needle_data(small, echo=lambda *_: None) == jsonl and jsonl.stat().st_mtime_ns == written  # kept
+    again = ensure_needle_data(small.needle_data, echo=lambda *_: None)
+    assert again == jsonl and jsonl.stat().st_mtime_ns == written  # kept
     bad = tmp_path / "bad.yaml"
     bad.write_text((cards / f"{name}.yaml").read_text().replace("needle_data: {", "needle_data: {frames: 3, "))
     with pytest.raises(ValueError, match="needle_data takes variant, out, videos, cue"):

@@ -148,7 +148,7 @@ def test_paper_cards_load_with_the_authors_budget_rule(name, tmp_path):
 
     # The model class accepts every model_arg; the rule sets the authors' bounds (a 28 px base grid,
     # 4..768 tokens per pair) that the card does not spell out.
-    from resadapt_eval.lmms.models import config_from_model_args
+    from resadapt_eval.runspec import config_from_model_args
 
     args = {k: v for k, v in card.model_args.items() if k not in ("device", "dtype", "attn_implementation")}
     budget = config_from_model_args(method="fixed_scale", retention=0.25, **args).budget

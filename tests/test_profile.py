@@ -8,7 +8,7 @@ import pytest
 
 from resadapt_eval.cli import main
 from resadapt_eval.manifest import REPO
-from resadapt_eval.profile.latency import latency_row, latency_rows, to_markdown
+from resadapt_eval.report.latency import latency_row, latency_rows, to_markdown
 
 REPO_CARD = str(REPO / "model_cards" / "tiny-qwen25vl.yaml")
 

@@ -18,9 +18,9 @@ from resadapt_eval.compute.flops import (
     load_dims,
     ranking_flops,
     recomputed_attention,
-    row_flops,
     sample_flops,
 )
+from resadapt_eval.estimates import row_flops
 from resadapt_eval.fixtures import REAL_WIDTH, REDUCED_DEPTH, build_tokenizer, ensure_real_width, real_width_config
 from resadapt_eval.methods import AFTER_MERGER, BEFORE_ENCODER, INSIDE_LLM, METHODS, NO_RETENTION
 
@@ -121,7 +121,7 @@ def real_width_task(tmp_path_factory):
     """An --include_path folder with the smoke task on one 4-frame 640x360 video, MAX_NEW_TOKENS tokens."""
     import json
 
-    from resadapt_eval.profile.run import synthetic_video
+    from resadapt_eval.profile import synthetic_video
 
     folder = tmp_path_factory.mktemp("real_width_task")
     video = synthetic_video(folder / "video.mp4", SIZE, FRAMES)

@@ -81,7 +81,7 @@ def test_an_allocator_checkpoint_carries_its_training_budget():
     differs wins with a warning naming both values."""
     from loguru import logger
 
-    from resadapt_eval.lmms.models import config_from_model_args
+    from resadapt_eval.runspec import config_from_model_args
     from resadapt_eval.sweep import load_card
 
     card = load_card(REPO / "model_cards" / "needle-qwen25vl.yaml")
@@ -107,7 +107,7 @@ def test_an_allocator_checkpoint_carries_its_training_budget():
 
 def test_a_corrupt_training_budget_is_an_error_naming_the_file(tmp_path):
     from resadapt_eval.allocator import CheckpointError
-    from resadapt_eval.lmms.models import config_from_model_args
+    from resadapt_eval.runspec import config_from_model_args
 
     (tmp_path / "budget.json").write_text('{"s_max": 1.0, "s_mx": 2}')
     with pytest.raises(CheckpointError, match=r"budget.json: unknown budget settings \['s_mx'\]"):

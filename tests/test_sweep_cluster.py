@@ -75,9 +75,7 @@ def processes_under(out: Path) -> dict[int, list[bytes]]:
 def lmms_eval_processes(out: Path) -> list[int]:
     """Live lmms-eval processes writing under `out` (not their guards)."""
     return [
-        pid
-        for pid, argv in processes_under(out).items()
-        if b"lmms_eval" in argv and b"resadapt_eval.cluster.guard" not in argv
+        pid for pid, argv in processes_under(out).items() if b"lmms_eval" in argv and b"resadapt_eval.guard" not in argv
     ]
 
 

@@ -6,16 +6,10 @@ pipeline on both tiny backbones."""
 import pytest
 import torch
 
+from resadapt_eval.backbones.layer_pruning import LayerPruner, merge_into_nearest, text_attention
 from resadapt_eval.backbones.layout import VIDEO_TOKEN_TYPE
 from resadapt_eval.baselines import holitom, prunevid
-from resadapt_eval.baselines.inside_llm import (
-    TEXT_AFTER_VISUAL,
-    LayerPruner,
-    Stage,
-    entering_tokens,
-    merge_into_nearest,
-    text_attention,
-)
+from resadapt_eval.baselines.inside_llm import TEXT_AFTER_VISUAL, Stage, entering_tokens
 from resadapt_eval.budget.plan import InfeasibleBudget, plan_from_scales
 from resadapt_eval.budget.policies import BudgetSpec
 from resadapt_eval.methods import METHODS

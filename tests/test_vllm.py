@@ -242,7 +242,7 @@ def test_evs_at_retention_1_is_vanilla(engines, fixtures_dir, monkeypatch):
 
 
 def test_profile_on_the_vllm_engine(fixtures_dir, tmp_path):
-    from resadapt_eval.profile.run import ProfileSettings, profile
+    from resadapt_eval.profile import ProfileSettings, profile
     from resadapt_eval.sweep import load_card
 
     card = load_card(REPO / "model_cards" / "tiny-qwen25vl.yaml")

@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..compute.counting import counted_flops
+from ..measure.counting import counted_flops
 
 FRAME_CHUNK = 16  # frames per visual encode call
 

@@ -17,7 +17,7 @@ import torch
 import yaml
 
 from ..manifest import REPO
-from ..profile.clock import Stopwatch
+from ..measure.clock import Stopwatch
 from .encoders import FRAME_CHUNK
 from .model import CONFIG_NAME, INFERENCE_MODES, Allocator, AllocatorConfig, CheckpointError, load_config
 

@@ -146,7 +146,7 @@ class EngineOutput:
     """One request answered by an engine: text, the engine's own prompt token ids, generated
     tokens; first_token_s: seconds from the engine starting it to its first token (vision tower
     and prefill); per_token_s: seconds per later token; vision_s: the vision tower's seconds
-    (None where the engine does not expose its tower); peak_memory_mb (`profile.clock`);
+    (None where the engine does not expose its tower); peak_memory_mb (`measure.clock`);
     layer_visual_tokens: visual tokens in each decoder layer, for a method that prunes inside the
     LLM (None otherwise), and method_flops: the FLOPs its ranking ran; decode_keys_dropped: key
     columns a decoding-time pruner kept its steps from attending to, summed over layers and steps."""

@@ -20,11 +20,11 @@ from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import apply_rotary_pos_
 from transformers.models.qwen3_vl.modeling_qwen3_vl import apply_rotary_pos_emb_vision as qwen3_vision_rotary
 from transformers.vision_utils import get_vision_window_index
 
-from ..baselines.decode_pruning import DecodePruner
-from ..baselines.inside_llm import LayerPruner
 from ..budget.plan import ResizePlan
-from ..profile.clock import FirstLogits, ModuleTimer, Stopwatch, peak_memory_mb, reset_peak_memory
+from ..measure.clock import FirstLogits, ModuleTimer, Stopwatch, peak_memory_mb, reset_peak_memory
 from ..video import DecodedVideo
+from .decode_pruning import DecodePruner
+from .layer_pruning import LayerPruner
 from .layout import IMAGE_PAD, VIDEO_TOKEN_TYPE, EngineOutput, Qwen3VLLayout, Qwen25VLLayout, QwenLayout
 from .mrope import VisionRun, qwen25_mrope_positions
 from .vision_attention import last_block_input, received_attention_and_keys

@@ -54,8 +54,7 @@ import torch
 import torch.nn.functional as F
 
 from .common import DROPPED, Compression, VisualTokens, check_keep, per_pair_budget
-from .decode_pruning import DecodeStage
-from .inside_llm import scaled_layer
+from .inside_llm import DecodeStage, scaled_layer
 
 WINDOW = 4  # frames per TTM window; the first one is the reference
 DECODE_LAYER, DECODE_LAYERS = 3, 28  # dycoke_l of LLaVA-OneVision-7B's 28 layers

@@ -1,4 +1,7 @@
-"""Visual-token pruning between the LLM's decoder layers (FastV, PyramidDrop), on the HF path.
+"""Schedules of the methods that prune visual tokens inside the LLM (FastV, PyramidDrop, and the
+second stages of PruneVid, HoliTom and DyCoke): which decoder layers keep how many visual tokens,
+ranked how. The hooks that carry a schedule out on the HF path are `backbones/layer_pruning.py`
+(`LayerPruner`, prefill) and `backbones/decode_pruning.py` (`DecodePruner`, decoding).
 
 A schedule is a list of `Stage(layer, keep)`: from decoder layer `layer` on, only `keep` visual
 tokens remain. At each stage the visual tokens still present are ranked by `Stage.rank_by` and the
@@ -11,14 +14,6 @@ top `keep` stay, in their original order (ties: the earlier token first):
   mean over heads in that dtype (PyramidDrop's `pdrop_rank_drop`);
 - `TEXT_AFTER_VISUAL`: every text token after the video, max over them and heads (PruneVid).
 
-Everything goes through forward pre-hooks on the decoder layers and their attention modules
-(`LayerPruner.attached`), never by editing the model: at a stage's layer the hidden states lose
-the pruned tokens; every later layer gets the rotary cos/sin, text positions and mask of the kept
-tokens only, so a kept token keeps its original M-RoPE position. The KV cache of a pruned layer
-holds only the kept tokens; in each decode step the mask (when the attention needs one) drops the
-pruned prompt columns. Qwen3-VL adds deepstack features to the visual tokens after its first
-layers: a stage must come after them (`first_layer`).
-
 Retention (one rule for every method, see docs/budget.md): R is the layer-averaged share of visual
 tokens, sum over layers of the visual tokens in that layer / (layers x N); the schedules solve
 for the keep counts whose layer average is the largest not above the target. A method that also
@@ -29,16 +24,9 @@ every token), and its compressor keeps the most tokens that leave the layer aver
 
 from __future__ import annotations
 
-import math
-import sys
-from contextlib import contextmanager
 from dataclasses import dataclass
 
-import torch
-import torch.nn.functional as F
-
 from ..budget.plan import InfeasibleBudget
-from ..compute.counting import counted_flops
 
 # How a stage ranks the visual tokens (see the module docstring):
 LAST_TOKEN = "last_token"  # the prompt's last token's attention in the layer before, mean over heads (FastV, HoliTom)
@@ -56,6 +44,16 @@ class Stage:
     keep: int
     rank_by: str = LAST_TOKEN
     merge: bool = False
+
+
+@dataclass(frozen=True)
+class DecodeStage:
+    """From decoder layer `layer` on, each re-selecting decoding step attends to `keep` visual
+    tokens; it re-selects when its visual attention's cosine to the previous step's is below `threshold`."""
+
+    layer: int
+    keep: int
+    threshold: float
 
 
 def layer_counts(stages: list[Stage], num_layers: int, visual: int) -> list[int]:
@@ -118,195 +116,3 @@ def entering_tokens(
         mid = (low + high + 1) // 2
         low, high = (mid, high) if layer_sum(mid) <= budget else (low, mid - 1)
     return low
-
-
-def rotated_qk(attention: torch.nn.Module, hidden: torch.Tensor, cos, sin, first_query: int):
-    """(1, heads, Q, d) queries of the last Q = L - first_query of L tokens and (1, heads, L, d) keys
-    of all L (each key head repeated for its group of query heads), as `attention` (a Qwen2.5-VL /
-    Qwen3-VL text attention module) forms them from its input `hidden` (1, L, H) with rotary `cos`,
-    `sin` (1, L, d): only those query rows are projected."""
-    rotary = sys.modules[type(attention).__module__].apply_rotary_pos_emb  # the module's own rotary
-    d, length = attention.head_dim, hidden.shape[1]
-    q = attention.q_proj(hidden[:, first_query:]).view(1, length - first_query, -1, d)
-    k = attention.k_proj(hidden).view(1, length, -1, d)
-    if hasattr(attention, "q_norm"):  # Qwen3-VL normalises q and k per head before the rotary
-        q, k = attention.q_norm(q), attention.k_norm(k)
-    q, k = q.transpose(1, 2), k.transpose(1, 2)  # (1, heads, Q, d), (1, kv_heads, L, d)
-    q, _ = rotary(q, q, cos[:, first_query:], sin[:, first_query:])
-    _, k = rotary(k, k, cos, sin)
-    return q, k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
-
-
-def query_attention(attention: torch.nn.Module, hidden: torch.Tensor, cos, sin, first_query: int) -> torch.Tensor:
-    """(heads, Q, L) causal attention of the last Q = L - first_query of L tokens over all L, as
-    `attention` computes it on its input `hidden` (1, L, H) with rotary `cos`, `sin` (1, L, d), in
-    float32 (`rotated_qk`)."""
-    length = hidden.shape[1]
-    q, k = rotated_qk(attention, hidden, cos, sin, first_query)
-    logits = (q @ k.transpose(-1, -2)).float() * attention.scaling  # (1, heads, Q, L)
-    rows = torch.arange(first_query, length, device=logits.device)[:, None]
-    logits = logits.masked_fill(torch.arange(length, device=logits.device)[None, :] > rows, float("-inf"))
-    return torch.softmax(logits, dim=-1)[0]
-
-
-def last_token_attention(attention: torch.nn.Module, hidden: torch.Tensor, cos, sin) -> torch.Tensor:
-    """(L,) attention of the last of L tokens over all L, mean over heads (FastV's ranking)."""
-    return query_attention(attention, hidden, cos, sin, hidden.shape[1] - 1)[:, 0].mean(dim=0)
-
-
-def stage_input_attention(layer: torch.nn.Module, hidden: torch.Tensor, cos, sin) -> torch.Tensor:
-    """(L,) PyramidDrop's ranking row at a stage boundary: decoder `layer`'s own input_layernorm,
-    then its attention's q/k projections (with Qwen3-VL's per-head q/k norms) and rotary `cos`, `sin`
-    (1, L, d), on the hidden states `hidden` (1, L, H) entering that layer; the last token's query
-    against all L keys, divided by sqrt(head_dim) in the model's dtype, softmax in float32 cast back
-    to that dtype, mean over heads in that dtype (PyramidDrop's modeling_llama_pdrop.py, lines
-    1321-1342 and 1395-1399; the last token sees every key, so the causal mask adds nothing)."""
-    attention = layer.self_attn
-    q, k = rotated_qk(attention, layer.input_layernorm(hidden), cos, sin, hidden.shape[1] - 1)
-    logits = (q @ k.transpose(-1, -2)) / math.sqrt(attention.head_dim)  # (1, heads, 1, L)
-    weights = torch.softmax(logits, dim=-1, dtype=torch.float32).to(q.dtype)
-    return weights[0, :, 0].mean(dim=0)
-
-
-def text_attention(attention: torch.nn.Module, hidden: torch.Tensor, cos, sin, first_query: int) -> torch.Tensor:
-    """(L,) attention of the text tokens from `first_query` on over all L, max over heads and
-    those tokens (PruneVid's ranking by the question)."""
-    return query_attention(attention, hidden, cos, sin, first_query).amax(dim=(0, 1))
-
-
-def merge_into_nearest(hidden: torch.Tensor, kept: torch.Tensor, dropped: torch.Tensor) -> torch.Tensor:
-    """`hidden` (1, L, H) with each `dropped` position (in increasing order) averaged into the
-    `kept` position of highest cosine similarity: kept <- (kept + dropped) / 2, in turn. A kept
-    token that takes m dropped ones d_1 < ... < d_m becomes kept / 2^m + sum_j d_j / 2^(m - j + 1)."""
-    if len(dropped) == 0:
-        return hidden
-    h = hidden[0]
-    similarity = F.normalize(h[dropped].float(), dim=-1) @ F.normalize(h[kept].float(), dim=-1).T
-    target = similarity.argmax(dim=-1)  # (D,) index into kept, dropped in increasing order
-    counts = torch.bincount(target, minlength=len(kept))  # m per kept token
-    order = torch.argsort(target, stable=True)  # dropped grouped by target, in token order
-    rank = torch.empty_like(order)
-    starts = torch.cumsum(counts, 0) - counts
-    rank[order] = torch.arange(len(order), device=order.device) - starts[target[order]] + 1  # j, 1-based
-    weights = torch.pow(0.5, (counts[target] - rank + 1).to(h.dtype))  # 2^-(m - j + 1)
-    merged = h[kept] * torch.pow(0.5, counts.to(h.dtype))[:, None]
-    merged = merged.index_add(0, target, h[dropped] * weights[:, None])
-    out = hidden.clone()
-    out[0, kept] = merged
-    return out
-
-
-class LayerPruner:
-    """Prunes one request's visual tokens inside the LLM during one `generate` call.
-
-    language_model: the decoder stack (`model.model.language_model`); stages: the schedule;
-    visual_positions: (N,) indices of the visual tokens in the prompt. After the call,
-    `layer_tokens` holds the visual tokens each layer saw and `flops` the ranking's FLOPs.
-    Its index bookkeeping (visual positions, kept indices) is on the CPU: a stage's scores come
-    over with one `.cpu()`, and each index moves to the device of the tensor it indexes."""
-
-    def __init__(self, language_model, stages: list[Stage], visual_positions: torch.Tensor):
-        self.layers = language_model.layers
-        self.schedule = list(stages)
-        self.stages = {s.layer: s for s in stages}
-        self.visual = visual_positions.cpu()
-        self.layer_tokens = layer_counts(stages, len(self.layers), len(self.visual))
-        self.flops = 0
-
-    def generate_kwargs(self) -> dict:
-        """What `generate` takes from this pruner: nothing (it works through hooks alone)."""
-        return {}
-
-    @contextmanager
-    def attached(self):
-        self.kept = None  # prompt indices the current layer sees (None: all)
-        self.kept_by_layer: dict[int, torch.Tensor] = {}
-        self.scores = None
-        handles = [
-            layer.register_forward_pre_hook(self._layer_input(i), with_kwargs=True)
-            for i, layer in enumerate(self.layers)
-        ]
-        handles += [
-            self.layers[s.layer - 1].self_attn.register_forward_pre_hook(self._ranker(s), with_kwargs=True)
-            for s in self.schedule
-            if s.rank_by != STAGE_INPUT  # ranked in the stage layer's own input hook
-        ]
-        try:
-            yield self
-        finally:
-            for handle in handles:
-                handle.remove()
-
-    def _ranker(self, stage: Stage):
-        def hook(module, args, kwargs):
-            hidden = args[0] if args else kwargs["hidden_states"]
-            if hidden.shape[1] > 1:  # prefill: rank by the attention the stage asks for
-                cos, sin = kwargs["position_embeddings"]
-                if stage.rank_by == TEXT_AFTER_VISUAL:
-                    seen = self.kept
-                    if seen is None:
-                        seen = torch.arange(hidden.shape[1])  # cpu: prompt indices, as self.kept and self.visual
-                    after = int(torch.nonzero(torch.isin(seen, self.visual)).max()) + 1
-                    self.scores, flops = counted_flops(text_attention, module, hidden, cos, sin, after)
-                else:
-                    self.scores, flops = counted_flops(last_token_attention, module, hidden, cos, sin)
-                self.flops += flops
-
-        return hook
-
-    def _layer_input(self, index: int):
-        def hook(module, args, kwargs):
-            hidden = args[0] if args else kwargs["hidden_states"]
-            prefill = hidden.shape[1] > 1
-            if prefill and index in self.stages:
-                if self.stages[index].rank_by == STAGE_INPUT:
-                    rotary = kwargs["position_embeddings"]
-                    if self.kept is not None:  # the tokens entering this layer, at their own positions
-                        rotary = tuple(t[:, self.kept.to(t.device)] for t in rotary)
-                    self.scores, flops = counted_flops(stage_input_attention, module, hidden, *rotary)
-                    self.flops += flops
-                hidden = self._prune(hidden, self.stages[index])
-            if prefill and self.kept is not None:
-                self.kept_by_layer[index] = self.kept
-            kept = self.kept_by_layer.get(index)
-            if kept is None:
-                return None
-            kwargs = dict(kwargs)
-            if prefill:
-                kwargs["position_embeddings"] = tuple(t[:, kept.to(t.device)] for t in kwargs["position_embeddings"])
-                if torch.is_tensor(kwargs.get("position_ids")):
-                    kwargs["position_ids"] = kwargs["position_ids"][:, kept.to(kwargs["position_ids"].device)]
-            mask = kwargs.get("attention_mask")
-            if torch.is_tensor(mask):
-                generated = torch.arange(self.prompt_length, mask.shape[-1])  # cpu: indices, as `kept`
-                columns = torch.cat([kept, generated]).to(mask.device)
-                mask = mask[..., columns]
-                kwargs["attention_mask"] = mask[..., kept.to(mask.device), :] if prefill else mask
-            args = (hidden, *args[1:]) if args else args
-            if not args:
-                kwargs["hidden_states"] = hidden
-            return args, kwargs
-
-        return hook
-
-    def _prune(self, hidden: torch.Tensor, stage: Stage) -> torch.Tensor:
-        """Keep the `stage.keep` visual tokens of the current sequence with the highest scores
-        (the dropped ones merged into them first, with `stage.merge`)."""
-        if self.kept is None:
-            self.prompt_length = hidden.shape[1]
-            self.kept = torch.arange(self.prompt_length)  # cpu: prompt indices, as self.visual
-        is_visual = torch.isin(self.kept, self.visual)
-        local_visual = torch.nonzero(is_visual).flatten()
-        scores = self.scores.cpu()[local_visual]
-        ranked = torch.argsort(scores, descending=True, stable=True)
-        top = local_visual[ranked[: stage.keep]]
-        if stage.merge:
-            dropped = local_visual[ranked[stage.keep :]].sort().values
-            top_sorted = top.sort().values
-            hidden, flops = counted_flops(
-                merge_into_nearest, hidden, top_sorted.to(hidden.device), dropped.to(hidden.device)
-            )
-            self.flops += flops
-        local = torch.cat([torch.nonzero(~is_visual).flatten(), top]).sort().values
-        self.kept = self.kept[local]
-        return hidden[:, local.to(hidden.device)]

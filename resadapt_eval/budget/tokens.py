@@ -3,7 +3,7 @@
 A `TokenBudget` is a pure value, computed once per sample right after planning by the run's method
 kind (`kinds.MethodKind.token_budget`) from its resize plans, before any model input is built. The
 pipeline builds the inputs it describes and checks the engine's prompt against it, the sidecar
-record reads its counts and R, and `compute.flops.row_plan` (the config-only FLOPs table,
+record reads its counts and R, and `estimates.row_plan` (the config-only FLOPs table,
 `resadapt-eval flops`) plans through the same function.
 """
 
@@ -21,7 +21,7 @@ class TokenBudget:
     LLM (None: `entering` in every layer); share: what a compressor is asked to keep, as a share of
     the encoded tokens (None without a compressor); stages: the in-LLM pruning schedule
     (`inside_llm.Stage`s, empty without one); decode_stage: a decoding-time pruner's
-    `decode_pruning.DecodeStage` (None without one)."""
+    `baselines.inside_llm.DecodeStage` (None without one)."""
 
     reference: int
     entering: int

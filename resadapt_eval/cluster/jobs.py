@@ -21,25 +21,10 @@ from pathlib import Path
 
 import submitit
 
-from ..sweep import (
-    CELL_FILE,
-    JOB_FILE,
-    STARTED_FILE,
-    Cell,
-    ModelCard,
-    cell_command,
-    check_sweep,
-    config_key,
-    read_cell,
-    read_json,
-    run_cell,
-    sweep_configs,
-    this_process,
-    write_json,
-    write_marker,
-    write_plan,
-)
-from .guard import GRACE_S, process_alive
+from ..cells import CELL_FILE, JOB_FILE, STARTED_FILE, read_cell, read_json, this_process, write_marker
+from ..guard import GRACE_S, process_alive
+from ..manifest import write_json
+from ..sweep import Cell, ModelCard, cell_command, check_sweep, config_key, run_cell, sweep_configs, write_plan
 from .settings import BadSlurmSetting, SlurmSettings, executor_parameters
 
 SUBMITIT_DIR = ".submitit"  # in the sweep folder: submitit's pickles and each job's logs

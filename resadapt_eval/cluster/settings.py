@@ -74,12 +74,18 @@ def parse_pairs(pairs: list[str], flag: str) -> dict:
     return parsed
 
 
+def check_card_section(card_section, card: str) -> None:
+    """A card's `slurm:` section is a mapping of SLURM settings (`SlurmSettings`' fields)."""
+    if not isinstance(card_section, dict) or set(card_section) - set(CARD_KEYS):
+        raise BadSlurmSetting(
+            f"{card}: slurm takes a mapping of SLURM settings with keys {list(CARD_KEYS)} (docs/cluster.md), "
+            f"got {card_section!r}"
+        )
+
+
 def slurm_settings(card_section: dict, flags: dict) -> SlurmSettings:
-    """The card's `slurm:` section with the flags given (not None) on top, every value checked;
-    BadSlurmSetting names the first bad one."""
-    unknown = sorted(set(card_section) - set(CARD_KEYS))
-    if unknown:
-        raise BadSlurmSetting(f"card slurm: unknown keys {unknown}; allowed: {list(CARD_KEYS)}")
+    """The card's `slurm:` section (`check_card_section`) with the flags given (not None) on top,
+    every value checked; BadSlurmSetting names the first bad one."""
     values = {**card_section, **{k: v for k, v in flags.items() if v is not None and v != {}}}
     for key in ("options", "additional"):
         if key in values and not isinstance(values[key], dict):

@@ -8,8 +8,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..sweep import CELL_FILE, JOB_FILE, PLAN_FILE, STARTED_FILE, read_json, this_process
-from .guard import process_alive
+from ..cells import CELL_FILE, JOB_FILE, PLAN_FILE, STARTED_FILE, read_json, this_process
+from ..guard import process_alive
 
 COMPLETE, FAILED = "complete", "failed"
 ACTIVE = ("queued", "running", "retrying")  # a sweep or the scheduler will still change these

@@ -3,7 +3,7 @@
 What `torch.cuda.max_memory_allocated` counts (the sidecar's `peak_memory_mb`): tensors only, not
 the CUDA context, kernels' workspaces or the caching allocator's reserve (the headroom of
 `resadapt-eval flops --memory` is for those). b: the model dtype's bytes; the tokens are those
-`flops.row_plan` plans (the same rule as the FLOPs); P: patches the vision tower encodes (every
+`estimates.row_plan` plans (the same rule as the FLOPs); P: patches the vision tower encodes (every
 pair at once, as HF runs it), D / I / m / d_v: its width, MLP width, spatial merge and head size;
 L: prompt tokens entering the LLM, H / I / n_h / n_kv / d_h the LLM's sizes.
 
@@ -55,7 +55,7 @@ from dataclasses import dataclass
 
 from ..baselines import divprune, dycoke, fastvid, flashvid, holitom, prunevid, random_drop, tome, vidcom2, visionzip
 from ..baselines.inside_llm import STAGE_INPUT, TEXT_AFTER_VISUAL
-from .flops import BackboneDims, RowPlan, TextDims, VisionDims, block_segments, per_layer, row_plan
+from .flops import BackboneDims, RowPlan, TextDims, VisionDims, block_segments, per_layer
 
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 ATTENTION = ("sdpa", "eager", "flash_attention_2")  # the HF attn_implementation values
@@ -290,7 +290,7 @@ def sample_memory(
     attention: str = "sdpa",
     allocator_bytes: int = 0,
 ) -> SampleMemory:
-    """The memory plan of one sample planned as `plan` (`flops.row_plan`), generating up to
+    """The memory plan of one sample planned as `plan` (`estimates.row_plan`), generating up to
     `max_new_tokens` tokens, with the model in `dtype` and its `attention` implementation."""
     check_attention(attention)
     b, method, v = dtype_bytes(dtype), plan.method, dims.vision
@@ -327,27 +327,3 @@ def module_bytes(module) -> int:
     """Bytes of a loaded module's parameters and buffers (the Allocator's, as it is placed on the GPU)."""
     tensors = [*module.parameters(), *module.buffers()]
     return sum(t.numel() * t.element_size() for t in tensors)
-
-
-def row_memory(
-    dims: BackboneDims,
-    method_name: str,
-    frames: int,
-    size_hw: tuple[int, int],
-    retention: float | None = None,
-    text_tokens: int = 24,
-    max_new_tokens: int = 128,
-    dtype: str = "bfloat16",
-    attention: str = "sdpa",
-    allocator=None,
-    prune_layers: list[int] | None = None,
-) -> tuple[SampleMemory, int]:
-    """(memory plan, visual tokens entering the LLM) of `frames` frames of a `size_hw` (height,
-    width) source under a method, planned by `flops.row_plan` (`prune_layers`: its stage layers
-    inside the LLM, None: the default); `allocator`: the Allocator a method=resadapt row holds
-    (its parameters and buffers)."""
-    plan = row_plan(dims, method_name, frames, size_hw, retention, text_tokens, prune_layers)
-    if not plan.method.hf:
-        raise ValueError(f"method={method_name} runs inside vLLM, which preallocates its cache: no HF memory plan")
-    resident = module_bytes(allocator) if plan.method.needs_allocator and allocator is not None else 0
-    return sample_memory(dims, plan, max_new_tokens, dtype, attention, resident), plan.visual

@@ -11,7 +11,6 @@ import sys
 import time
 from dataclasses import asdict
 from pathlib import Path
-from typing import get_args, get_type_hints
 
 from lmms_eval.api.instance import GenerationResult, Instance, TokenCounts
 from lmms_eval.api.model import lmms
@@ -22,22 +21,19 @@ from loguru import logger
 from tqdm import tqdm
 
 from ..allocator import (
-    BUDGET_FILE,
     backbone_differences,
     budget_source,
-    check_checkpoint,
     training_backbone,
     training_budget,
 )
 from ..backbones.qwen import ADAPTERS, Qwen3VLAdapter, Qwen25VLAdapter, QwenVideoAdapter
 from ..budget.plan import TokenGrid
 from ..budget.planner import check_base_grid
-from ..budget.policies import BudgetSpec
 from ..manifest import git_revision, merge_totals, run_summary, sample_totals, versions, write_json
 from ..methods import METHODS, Method
 from ..pipeline import Request, VideoPipeline, VideoPipelineConfig
 from ..record import SampleRecord, build_record, sidecar_line
-from ..runspec import RunSpec
+from ..runspec import RunSpec, config_from_model_args
 from ..video import is_moving_video
 from .manifests import class_name
 
@@ -362,77 +358,6 @@ class ResAdaptQwen(lmms):
 
     def generate_until_multi_round(self, requests):
         raise NotImplementedError("resadapt models answer single-round requests")
-
-
-def config_from_model_args(**model_args) -> VideoPipelineConfig:
-    """`VideoPipelineConfig` from lmms-eval model_args (strings or numbers): every field of the
-    config and of its `BudgetSpec` is a model_arg of the same name, cast to the field's type
-    (`none` for an optional one); an unknown name or a value of the wrong type is an error naming it.
-    An Allocator checkpoint's training budget (`budget.json`) fills the settings not given, and a
-    given one that differs from it is warned about."""
-    fields = {**get_type_hints(VideoPipelineConfig), **get_type_hints(BudgetSpec)}
-    fields.pop("budget")
-    unknown = sorted(set(model_args) - set(fields))
-    if unknown:
-        raise ValueError(
-            f"unknown model_args {', '.join(unknown)}; known: pretrained, device, dtype, attn_implementation, "
-            f"sidecar_dir, {', '.join(fields)}"
-        )
-    if isinstance(model_args.get("prune_layers"), float) and model_args["prune_layers"].is_integer():
-        model_args["prune_layers"] = int(model_args["prune_layers"])  # lmms-eval reads `-1` as -1.0
-    values = {name: _cast(name, value, fields[name]) for name, value in model_args.items()}
-    values = _with_training_budget(values)
-    budget = BudgetSpec(**{name: values.pop(name) for name in get_type_hints(BudgetSpec) if name in values})
-    return VideoPipelineConfig(budget=budget, **values)
-
-
-def _with_training_budget(values: dict) -> dict:
-    """`values` with the settings of the Allocator checkpoint's training budget that were not given
-    (its config.json checked too); a checkpoint without one is warned about."""
-    trained = training_budget(values.get("allocator"))
-    check_checkpoint(values.get("allocator"))
-    if budget_source(values.get("allocator")) == "missing":
-        given = {k: values[k] for k in ("s_min", "s_max") if k in values}
-        s_range = given or "the default s in [0.2, 1.8]"
-        logger.warning(
-            f"the Allocator {values['allocator']} has no {BUDGET_FILE}: the budget it was trained under (scale "
-            f"range, token bounds, frames, pixels) is unknown, so this run uses model_args and the defaults "
-            f"({s_range}); every sidecar record says allocator_budget=missing"
-        )
-    taken = {key: value for key, value in trained.items() if key not in values}
-    for key, value in trained.items():
-        if key in values and values[key] != value:
-            logger.warning(
-                f"model_args {key}={values[key]} differs from the {key}={value} the Allocator {values['allocator']} "
-                f"was trained with (its {BUDGET_FILE}); running with {key}={values[key]}"
-            )
-    if taken:
-        settings = ", ".join(f"{k}={v}" for k, v in taken.items())
-        logger.info(f"budget settings from the Allocator's training ({values['allocator']}/{BUDGET_FILE}): {settings}")
-    return {**values, **taken}
-
-
-def _cast(name: str, value, hint):
-    """`value` as type `hint` (`int`, `float`, `str`, `bool` or one of them `| None`)."""
-    options = [t for t in get_args(hint) if t is not type(None)] or [hint]
-    if len(options) < len(get_args(hint)) and (value is None or str(value).strip().lower() == "none"):
-        return None
-    try:
-        return _flag(value) if options[0] is bool else options[0](value)
-    except (TypeError, ValueError):
-        raise ValueError(f"model_args {name}={value!r}: expected {' or '.join(t.__name__ for t in options)}") from None
-
-
-def _flag(value) -> bool:
-    """A boolean model_arg: true/false, 1/0, yes/no (lmms-eval passes them as strings or bools)."""
-    if isinstance(value, bool):
-        return value
-    text = str(value).strip().lower()
-    if text in ("true", "1", "yes"):
-        return True
-    if text in ("false", "0", "no"):
-        return False
-    raise ValueError(f"expected true or false, got {value!r}")
 
 
 def _check_loading(device: str, dtype: str) -> None:

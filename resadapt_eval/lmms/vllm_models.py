@@ -11,9 +11,9 @@ from __future__ import annotations
 
 from ..methods import METHODS, Method
 from ..pipeline import VideoPipelineConfig
-from ..runspec import RunSpec
+from ..runspec import RunSpec, cast_model_arg
 from .manifests import class_name
-from .models import ResAdaptQwen, _cast
+from .models import ResAdaptQwen
 
 
 class ResAdaptQwenVLLM(ResAdaptQwen):
@@ -54,13 +54,13 @@ class ResAdaptQwenVLLM(ResAdaptQwen):
     ) -> tuple[dict, int]:
         """vLLM's arguments and the chunk size from model_args; a bad value names its argument."""
         engine_args = dict(
-            tensor_parallel_size=_cast("tensor_parallel_size", tensor_parallel_size, int),
-            gpu_memory_utilization=_cast("gpu_memory_utilization", gpu_memory_utilization, float),
-            kv_cache_memory_bytes=_cast("kv_cache_memory_bytes", kv_cache_memory_bytes, int | None),
-            max_model_len=_cast("max_model_len", max_model_len, int | None),
-            seed=_cast("seed", seed, int),
+            tensor_parallel_size=cast_model_arg("tensor_parallel_size", tensor_parallel_size, int),
+            gpu_memory_utilization=cast_model_arg("gpu_memory_utilization", gpu_memory_utilization, float),
+            kv_cache_memory_bytes=cast_model_arg("kv_cache_memory_bytes", kv_cache_memory_bytes, int | None),
+            max_model_len=cast_model_arg("max_model_len", max_model_len, int | None),
+            seed=cast_model_arg("seed", seed, int),
         )
-        chunk = _cast("chunk_size", chunk_size, int)
+        chunk = cast_model_arg("chunk_size", chunk_size, int)
         if chunk < 1:
             raise ValueError(f"chunk_size must be at least 1, got {chunk_size}")
         return engine_args, chunk

@@ -308,3 +308,18 @@ def needle_process_results(doc, results):
     from ..capo.rewards import choice_letter
 
     return {"needle_acc": float(choice_letter(results[0], LETTERS) == doc["answer"])}
+
+
+def ensure_needle_data(needle_data: dict | None, limit: int | None = None, echo=print) -> Path | None:
+    """Write a card's needle test split (its `needle_data:` section) when it is missing or short:
+    `videos` rows (`limit` rows when a sweep reads only its first `limit`) of `resadapt-eval needle
+    make-data --variant V [--cue] --out OUT`'s test split; a later, longer sweep extends it with the
+    same videos first. None for a card without the section."""
+    if needle_data is None:
+        return None
+    count = limit or int(needle_data.get("videos", 400))
+    jsonl = ensure_test_split(
+        needle_data["out"], count, cue=bool(needle_data.get("cue", True)), variant=needle_data.get("variant", "single")
+    )
+    echo(f"needle data: {jsonl}")
+    return jsonl

@@ -8,7 +8,7 @@ import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..sweep import CELL_FILE
+from ..cells import CELL_FILE
 
 # task -> (metric key in lmms-eval's results, column name); column names match results/paper/*.csv.
 # Unknown tasks use their first metric, named after the task.

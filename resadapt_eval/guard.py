@@ -1,6 +1,6 @@
 """A cell's lmms-eval run in its own process group, ended with whatever started it.
 
-`run_guarded` starts `python -m resadapt_eval.cluster.guard --watch PID ... -- CMD`: the guard
+`run_guarded` starts `python -m resadapt_eval.guard --watch PID ... -- CMD`: the guard
 starts CMD as the leader of a new session (its own process group, which a launcher's workers join)
 and ends that whole group (SIGTERM, then SIGKILL after a grace period) when the process that
 started it or any other watched process ends, even by SIGKILL, or when the guard is sent SIGTERM,
@@ -57,7 +57,7 @@ def run_guarded(cmd: list[str], log: Path, watch: Iterable[int] = ()) -> int:
     signal N; ENDED_EXIT: the guard ended it). Interrupted here (KeyboardInterrupt, SystemExit, a
     submitit requeue), it ends the group before the exception goes on."""
     watched = [os.getpid(), *watch]
-    guard = [sys.executable, "-m", "resadapt_eval.cluster.guard", *(f"--watch={pid}" for pid in watched), "--", *cmd]
+    guard = [sys.executable, "-m", "resadapt_eval.guard", *(f"--watch={pid}" for pid in watched), "--", *cmd]
     with open(log, "w") as out:
         proc = subprocess.Popen(guard, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
     try:
@@ -92,7 +92,7 @@ def end_group(child: subprocess.Popen, grace_s: float) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m resadapt_eval.cluster.guard",
+        prog="python -m resadapt_eval.guard",
         description="run a command in its own process group; end the group when a watched process ends",
     )
     parser.add_argument("--watch", type=int, action="append", default=[], help="a process id whose end ends the group")

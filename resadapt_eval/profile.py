@@ -1,5 +1,5 @@
 """`resadapt-eval profile`: time every stage of a request on a card's backbone, for each method,
-frame count and R, and print the paper's latency table (`latency.py`).
+frame count and R, and print the paper's latency table (`report/latency.py`).
 
 One video (given, or a synthetic one written at --size with as many frames as the largest count)
 is answered `warmup` times untimed, then `runs` times, per configuration, through the same
@@ -16,9 +16,9 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from ..methods import NO_RETENTION, get_method
-from ..sweep import ModelCard
-from .latency import latency_rows, to_markdown, write_latency
+from .methods import NO_RETENTION, get_method
+from .report.latency import latency_rows, to_markdown, write_latency
+from .sweep import ModelCard
 
 LOADING_ARGS = ("device", "dtype", "attn_implementation")  # card model_args that load the backbone
 
@@ -63,7 +63,7 @@ class ProfileSettings:
 
 def synthetic_video(path: Path, size: tuple[int, int], num_frames: int) -> Path:
     """A moving-square video of `num_frames` frames at `size` (width, height), 2 fps."""
-    from ..fixtures import smoke_frames, write_video
+    from .fixtures import smoke_frames, write_video
 
     if not path.is_file():
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -76,7 +76,7 @@ def build_backbone(card: ModelCard, settings: ProfileSettings):
     """The card's backbone on the chosen engine, loaded once for every configuration."""
     loading = {k: card.model_args[k] for k in LOADING_ARGS if k in card.model_args}
     if settings.engine == "vllm":
-        from ..backbones.vllm_engine import VLLMBackbone
+        from .backbones.vllm_engine import VLLMBackbone
 
         return VLLMBackbone(
             card.backbone,
@@ -86,15 +86,15 @@ def build_backbone(card: ModelCard, settings: ProfileSettings):
             allocator_device=loading.get("device"),
             **settings.engine_args,
         )
-    from ..backbones.qwen import ADAPTERS
+    from .backbones.qwen import ADAPTERS
 
     return ADAPTERS[card.backbone].from_pretrained(card.pretrained, **loading)
 
 
 def profile(card: ModelCard, settings: ProfileSettings, out: Path) -> list[dict]:
     """Run the grid, write `records.jsonl`, `latency.md` and `latency.csv` into `out`; the rows."""
-    from ..lmms.models import config_from_model_args
-    from ..pipeline import Request, VideoPipeline
+    from .pipeline import Request, VideoPipeline
+    from .runspec import config_from_model_args
 
     out.mkdir(parents=True, exist_ok=True)
     video = settings.video or str(synthetic_video(out / "profile_video.mp4", settings.size, max(settings.frames)))

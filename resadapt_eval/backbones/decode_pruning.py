@@ -1,4 +1,5 @@
-"""Visual-token pruning of the KV cache during decoding (DyCoke's second stage), on the HF path.
+"""Visual-token pruning of the KV cache during decoding (DyCoke's second stage), on the HF path:
+the engine side of a `baselines.inside_llm.DecodeStage`.
 
 At each decoding step, from decoder layer `layer` on, the step attends to the prompt's text, the
 tokens generated so far and only the `keep` visual tokens the current token attends to most in the
@@ -19,23 +20,13 @@ from __future__ import annotations
 
 import sys
 from contextlib import contextmanager
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from transformers import DynamicCache
 
-from ..compute.counting import counted_flops
-
-
-@dataclass(frozen=True)
-class DecodeStage:
-    """From decoder layer `layer` on, each re-selecting decoding step attends to `keep` visual
-    tokens; it re-selects when its visual attention's cosine to the previous step's is below `threshold`."""
-
-    layer: int
-    keep: int
-    threshold: float
+from ..baselines.inside_llm import DecodeStage
+from ..measure.counting import counted_flops
 
 
 class SelectingCache(DynamicCache):
