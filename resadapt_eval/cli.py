@@ -349,7 +349,6 @@ def cmd_flops(args) -> int:
     and decode beside."""
     from .compute.flops import TERA
     from .estimates import row_flops
-    from .methods import NO_RETENTION
 
     try:
         dims, (width, height), frame_counts, methods, allocator = flops_settings(args)
@@ -391,7 +390,7 @@ def cmd_flops(args) -> int:
     for frames in frame_counts:
         vanilla, _ = row_flops(dims, "vanilla", frames, (height, width), None, args.text_tokens, args.output_tokens)
         for method in methods:
-            retention = None if method.retention == NO_RETENTION else args.retention
+            retention = None if method.full_budget else args.retention
             try:
                 flops, visual = row_flops(
                     dims,
@@ -462,7 +461,6 @@ def print_memory_plan(args, dims, size_hw, frame_counts, methods, allocator, bud
     split into weights, KV cache, vision and LLM activations and the method's own, and whether it
     fits `budget` bytes less `headroom` (`compute/memory.py`)."""
     from .estimates import row_memory
-    from .methods import NO_RETENTION
 
     gib = 2**30
     usable = budget * (1 - headroom)
@@ -484,7 +482,7 @@ def print_memory_plan(args, dims, size_hw, frame_counts, methods, allocator, bud
     print("".join(f"{h:>14}" for h in header))
     for frames in frame_counts:
         for method in methods:
-            retention = None if method.retention == NO_RETENTION else args.retention
+            retention = None if method.full_budget else args.retention
             try:
                 memory, visual = row_memory(
                     dims,

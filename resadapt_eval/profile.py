@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from .methods import NO_RETENTION, get_method
+from .methods import get_method
 from .report.latency import latency_rows, to_markdown, write_latency
 from .sweep import ModelCard
 
@@ -56,7 +56,7 @@ class ProfileSettings:
         grid = []
         for frames in self.frames:
             for name in self.methods:
-                targets = [None] if get_method(name).retention == NO_RETENTION else self.retentions
+                targets = [None] if get_method(name).full_budget else self.retentions
                 grid += [(name, frames, r) for r in targets]
         return list(dict.fromkeys(grid))
 

@@ -174,7 +174,7 @@ class Cell:
 def plan_cells(methods: list[str], retentions: list[float], frames: list[int]) -> list[Cell]:
     """The grid: every method at every retention and frame count; methods without a retention
     target (vanilla) once per frame count."""
-    from .methods import METHODS, NO_RETENTION
+    from .methods import METHODS
 
     unknown = [m for m in methods if m not in METHODS]
     if unknown:
@@ -182,7 +182,7 @@ def plan_cells(methods: list[str], retentions: list[float], frames: list[int]) -
     cells = []
     for f in frames:
         for m in methods:
-            if METHODS[m].retention == NO_RETENTION:
+            if METHODS[m].full_budget:
                 cells.append(Cell(m, None, f))
             else:
                 cells.extend(Cell(m, float(r), f) for r in retentions)

@@ -56,3 +56,21 @@ def test_every_link_anchor_and_path_a_page_names_exists(page):
     assert missing == [], f"{page.name} names what does not exist: {missing}"
     bad_anchors = [name for name, path, anchor in named if anchor and anchor not in anchors(path)]
     assert bad_anchors == [], f"{page.name} links to headings that do not exist: {bad_anchors}"
+
+
+def test_the_model_table_lists_every_lmms_eval_name_and_its_class():
+    """docs/models.md is where a reader finds the classes made from the registry (no class statement
+    names them): its table is the entry point's names, each with the class lmms-eval loads."""
+    import importlib
+
+    from resadapt_eval.lmms.manifests import model_names
+
+    expected = []
+    for name, (path, aliases) in model_names().items():
+        module, cls = path.rsplit(".", 1)
+        method = getattr(getattr(importlib.import_module(module), cls), "fixed_method", None)
+        shown = f"`{method}`" if method else "any (`method=`)"
+        expected.append(f"| `{name}` | {', '.join(f'`{a}`' for a in aliases)} | `{path}` | {shown} |")
+    rows = [line for line in (REPO / "docs" / "models.md").read_text().splitlines() if line.startswith("| `")]
+    assert len(expected) > 30
+    assert rows == expected, "docs/models.md's table, as the registry gives it:\n" + "\n".join(expected)

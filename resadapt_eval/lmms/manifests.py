@@ -20,6 +20,19 @@ def class_name(method: Method, backbone: str) -> str:
     return method.class_stem + BACKBONES[backbone]
 
 
+def method_class(name: str, bases: dict[str, type], hf: bool) -> type:
+    """The model class `name` of a registered method (`class_name`, e.g. ToMeQwen25VL): the
+    backbone's class from `bases` (backbone -> class) with `fixed_method` set, in the module of
+    the bases; `hf`: the HF engine's classes (else vLLM's, for the methods only vLLM runs).
+    AttributeError for a name no method has there."""
+    for method in METHODS.values():
+        for backbone, base in bases.items():
+            if method.hf == hf and class_name(method, backbone) == name:
+                namespace = dict(fixed_method=method.name, __module__=base.__module__)
+                return type(name, (base,), {**namespace, "__doc__": f"{base.__name__} with method={method.name}."})
+    raise AttributeError(f"module {next(iter(bases.values())).__module__!r} has no attribute {name!r}")
+
+
 def model_names() -> dict[str, tuple[str, list[str]]]:
     """lmms-eval model name -> (class path, aliases)."""
     names = {}

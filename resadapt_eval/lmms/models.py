@@ -30,12 +30,12 @@ from ..backbones.qwen import ADAPTERS, Qwen3VLAdapter, Qwen25VLAdapter, QwenVide
 from ..budget.plan import TokenGrid
 from ..budget.planner import check_base_grid
 from ..manifest import git_revision, merge_totals, run_summary, sample_totals, versions, write_json
-from ..methods import METHODS, Method
+from ..methods import Method
 from ..pipeline import Request, VideoPipeline, VideoPipelineConfig
 from ..record import SampleRecord, build_record, sidecar_line
 from ..runspec import RunSpec, config_from_model_args
 from ..video import is_moving_video
-from .manifests import class_name
+from .manifests import method_class
 
 
 def _none_or(value, cast):
@@ -449,16 +449,7 @@ class ResAdaptQwen3VL(ResAdaptQwen):
 
 
 def __getattr__(name: str) -> type:
-    """`<Method><Backbone>` model classes (e.g. ToMeQwen25VL), made on first use for every
-    registered method and cached here: each fixes `method=` on the backbone's class, named as the
-    manifest names it (PEP 562 module attribute)."""
-    bases = {"qwen25vl": ResAdaptQwen25VL, "qwen3vl": ResAdaptQwen3VL}
-    for method, spec in METHODS.items():  # resadapt's own name is `ResAdaptQwen25VL` above: the any-method class
-        for backbone, base in bases.items():
-            if spec.hf and class_name(spec, backbone) == name:
-                doc = f"{base.__name__} with method={method}."
-                cls = globals()[name] = type(
-                    name, (base,), {"fixed_method": method, "__module__": __name__, "__doc__": doc}
-                )
-                return cls
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    """The `<Method><Backbone>` classes (e.g. ToMeQwen25VL; every one is listed in docs/models.md):
+    made on first use by `manifests.method_class` (PEP 562 module attribute)."""
+    cls = globals()[name] = method_class(name, {"qwen25vl": ResAdaptQwen25VL, "qwen3vl": ResAdaptQwen3VL}, hf=True)
+    return cls

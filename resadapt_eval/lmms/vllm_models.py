@@ -9,10 +9,10 @@ fixed_scale, resadapt with any operator, and vLLM's own video pruning, `evs`, wh
 
 from __future__ import annotations
 
-from ..methods import METHODS, Method
+from ..methods import Method
 from ..pipeline import VideoPipelineConfig
 from ..runspec import RunSpec, cast_model_arg
-from .manifests import class_name
+from .manifests import method_class
 from .models import ResAdaptQwen
 
 
@@ -118,15 +118,9 @@ class ResAdaptQwen3VLVLLM(ResAdaptQwenVLLM):
 
 
 def __getattr__(name: str) -> type:
-    """`<Method><Backbone>` classes of the methods only vLLM runs (e.g. EVSQwen25VL), made on first
-    use: each fixes `method=` on the backbone's vLLM class (PEP 562 module attribute)."""
-    bases = {"qwen25vl": ResAdaptQwen25VLVLLM, "qwen3vl": ResAdaptQwen3VLVLLM}
-    for method, spec in METHODS.items():
-        for backbone, base in bases.items():
-            if not spec.hf and class_name(spec, backbone) == name:
-                doc = f"{base.__name__} with method={method}."
-                cls = globals()[name] = type(
-                    name, (base,), {"fixed_method": method, "__module__": __name__, "__doc__": doc}
-                )
-                return cls
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    """The `<Method><Backbone>` classes of the methods only vLLM runs (e.g. EVSQwen25VL; every one is
+    listed in docs/models.md): made on first use by `manifests.method_class` (PEP 562 module attribute)."""
+    cls = globals()[name] = method_class(
+        name, {"qwen25vl": ResAdaptQwen25VLVLLM, "qwen3vl": ResAdaptQwen3VLVLLM}, hf=False
+    )
+    return cls

@@ -119,10 +119,11 @@ class CellRun:
         return sum(scales) / len(scales) if scales else None
 
     def capo_variant(self) -> str | None:
-        """`beta-CAPO` / `N-CAPO` (table:capo_dist_ablation's names) for a ResAdapt cell whose one
-        Allocator checkpoint names its policy family; None otherwise (other methods, `untrained`)."""
+        """`beta-CAPO` / `N-CAPO` (table:capo_dist_ablation's names) for a cell whose records name one
+        Allocator checkpoint (only a method the Allocator scores takes one), by its policy family;
+        None otherwise (other methods, `untrained`)."""
         checkpoints = {r.get("allocator") for r in self.records} - {None, "untrained"}
-        if self.method != "resadapt" or len(checkpoints) != 1:
+        if len(checkpoints) != 1:
             return None
         config = Path(checkpoints.pop()) / "config.json"  # allocator.model.CONFIG_NAME (not imported: no torch here)
         if not config.is_file():
