@@ -1,5 +1,7 @@
 """The CAPO trainer: the reward-design ablation in simulation, and real training on the tiny backbone."""
 
+import os
+
 import pytest
 
 from resadapt_eval.train.simulation import run_ablation, summarize
@@ -209,4 +211,30 @@ def test_tensor_parallel_engines_under_several_processes_are_refused():
     from resadapt_eval.train.vllm_rollouts import pin_engine_gpu
 
     with pytest.raises(ValueError, match="tensor_parallel_size 2 with 4 processes"):
-        pin_engine_gpu("cuda:0", num_processes=4, tensor_parallel_size=2)
+        with pin_engine_gpu("cuda:0", num_processes=4, tensor_parallel_size=2):
+            pass
+
+
+def test_the_engine_gpu_is_visible_only_while_the_engine_starts(monkeypatch):
+    """Each process's engine is spawned seeing only its Allocator's GPU (by UUID); afterwards this
+    process's CUDA_VISIBLE_DEVICES is what it was (here: unset, then a launcher's value)."""
+    import types
+
+    import torch
+
+    from resadapt_eval.train.vllm_rollouts import pin_engine_gpu
+
+    uuids = {0: "aaaa-0", 1: "bbbb-1"}
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d: types.SimpleNamespace(uuid=uuids[d.index]))
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    with pin_engine_gpu("cuda:1", num_processes=2, tensor_parallel_size=1):
+        assert os.environ["CUDA_VISIBLE_DEVICES"] == "GPU-bbbb-1"
+    assert "CUDA_VISIBLE_DEVICES" not in os.environ
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")
+    with pytest.raises(RuntimeError, match="engine failed"):
+        with pin_engine_gpu("cuda:0", num_processes=2, tensor_parallel_size=1):
+            assert os.environ["CUDA_VISIBLE_DEVICES"] == "GPU-aaaa-0"
+            raise RuntimeError("engine failed")
+    assert os.environ["CUDA_VISIBLE_DEVICES"] == "0,1"
+    with pin_engine_gpu("cuda:0", num_processes=1, tensor_parallel_size=1):  # one process: nothing changes
+        assert os.environ["CUDA_VISIBLE_DEVICES"] == "0,1"

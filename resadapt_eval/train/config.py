@@ -26,6 +26,7 @@ Relative paths resolve against the YAML file's folder.
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from dataclasses import fields, replace
 from pathlib import Path
 
@@ -170,21 +171,22 @@ def build_trainer(config_path: str | Path, steps: int | None = None) -> Allocato
         from ..backbones.vllm_engine import VLLMBackbone
         from .vllm_rollouts import VLLMRolloutEngine, pin_engine_gpu
 
+        pinned = nullcontext()
         if device.startswith("cuda"):
             from accelerate import PartialState
 
-            state = PartialState()
             tensor_parallel = vllm_settings.get("tensor_parallel_size", 1)
-            pin_engine_gpu(device, state.num_processes, tensor_parallel)
-        backbone = VLLMBackbone(
-            family,
-            pretrained,
-            max_num_frames,
-            dtype=backbone_cfg.get("dtype", "auto"),
-            seed=settings["seed"],
-            allocator_device=device,
-            **vllm_settings,
-        )
+            pinned = pin_engine_gpu(device, PartialState().num_processes, tensor_parallel)
+        with pinned:
+            backbone = VLLMBackbone(
+                family,
+                pretrained,
+                max_num_frames,
+                dtype=backbone_cfg.get("dtype", "auto"),
+                seed=settings["seed"],
+                allocator_device=device,
+                **vllm_settings,
+            )
         engine = VLLMRolloutEngine(backbone, family, pretrained, max_num_frames, budget, **settings)
 
     allocator_cfg = dict(raw.get("allocator") or {})

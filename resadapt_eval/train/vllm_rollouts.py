@@ -15,6 +15,7 @@ The backbone stays frozen: vLLM holds its own copy of the weights, so backbone c
 from __future__ import annotations
 
 import os
+from contextlib import contextmanager
 
 import numpy as np
 import torch
@@ -30,12 +31,17 @@ STALE_WEIGHTS = (
 )
 
 
-def pin_engine_gpu(device: str, num_processes: int, tensor_parallel_size: int) -> None:
-    """Under `accelerate launch` with one process per GPU, each process's vLLM engine runs on the
-    GPU of its Allocator, `device` (`cuda:i`). vLLM's engine process takes the first GPU it sees, so
-    the engine process this one spawns is started with only that GPU visible, named by its UUID
-    (which torch reports for the devices this process sees, whatever made them visible)."""
+@contextmanager
+def pin_engine_gpu(device: str, num_processes: int, tensor_parallel_size: int):
+    """While a vLLM engine starts in this block: under `accelerate launch` with one process per GPU,
+    each process's engine runs on the GPU of its Allocator, `device` (`cuda:i`). vLLM takes no device
+    argument; its engine process uses the GPUs visible when it is spawned, so only for the spawn
+    this process's CUDA_VISIBLE_DEVICES names that one GPU by its UUID (which torch reports for the
+    devices this process sees, whatever made them visible), and it is restored afterwards. Nothing
+    is read from the environment; this process's own CUDA devices, already initialised, are
+    unaffected."""
     if num_processes == 1:
+        yield
         return
     if tensor_parallel_size != 1:
         raise ValueError(
@@ -44,7 +50,15 @@ def pin_engine_gpu(device: str, num_processes: int, tensor_parallel_size: int) -
             "process per node"
         )
     uuid = torch.cuda.get_device_properties(torch.device(device)).uuid
-    os.environ["CUDA_VISIBLE_DEVICES"] = f"GPU-{uuid}"  # the environment of the engine process vLLM spawns
+    previous = os.environ.get("CUDA_VISIBLE_DEVICES")
+    os.environ["CUDA_VISIBLE_DEVICES"] = f"GPU-{uuid}"  # what the engine process vLLM spawns inherits
+    try:
+        yield
+    finally:
+        if previous is None:
+            del os.environ["CUDA_VISIBLE_DEVICES"]
+        else:
+            os.environ["CUDA_VISIBLE_DEVICES"] = previous
 
 
 def request_seed(seed: int | None, allocation: int) -> int | None:
