@@ -11,9 +11,10 @@ schedule, ...) and defaults. A kind owns
   (`check_engine`), settings the LLM's depth already rules out (`check_llm`);
 - what the serving engine is built with for it (`engine_args`) and the FLOPs of the method's own
   work (`own_flops`).
-`pipeline.VideoPipeline`, `record.build_record`, `compute.flops` and the vLLM classes call these and
-never branch on the kind. The run spec (`runspec.RunSpec.kind`) picks the kind of a run: the method's,
-or `FRAME_SELECTION` under `operator=select|select_resize`.
+`pipeline.VideoPipeline`, `record.build_record`, `compute.flops`, the config-only rows
+(`estimates.py`) and the vLLM classes call these and never branch on the kind. The run spec
+(`runspec.RunSpec.kind`) picks the kind of a run: the method's, or `FRAME_SELECTION` under
+`operator=select|select_resize`.
 
 The kinds: `RESIZE_POLICY` (vanilla, fixed_scale, resadapt), `COMPRESSOR` (after the merger: ToMe,
 VisionZip, ...), `IN_LLM_PRUNER` (FastV, PyramidDrop), `COMPRESSOR_THEN_PRUNER` (PruneVid, HoliTom),
@@ -272,9 +273,7 @@ def probe_schedule(spec: RunSpec, dims: BackboneDims) -> None:
     to check its `prune_layers` on this LLM (a bad one is a `model_args` error) and its floor
     (`InfeasibleBudget`, raised for the caller)."""
     try:
-        spec.method.prune(
-            dims.text.layers, FLOOR_PROBE_TOKENS, spec.retention, spec.stage_layers, dims.vision.deepstack
-        )
+        InLLMPruner.schedule(spec, dims, FLOOR_PROBE_TOKENS)
     except InfeasibleBudget:
         raise
     except ValueError as exc:  # `inside_llm.check_layers`: its message starts with prune_layers

@@ -1,10 +1,10 @@
 """The run spec: a run's settings resolved once, at model build, into one frozen value.
 
-`RunSpec.resolve` turns the parsed model_args (`VideoPipelineConfig`, names and strings, read from
-lmms-eval's model_args by `config_from_model_args`)
-into the `Method` object, its kind for this run, the retention and budget rule with their pair
-bounds (`BudgetSpec`), the operator as an `Operator`, the stage layers as numbers, and the other
-settings as given, checking them all (every bad setting stops here, naming its argument).
+`config_from_model_args` parses lmms-eval's model_args into a `VideoPipelineConfig` (names and
+strings); `RunSpec.resolve` turns that into the `Method` object, its kind for this run, the
+retention and budget rule with their pair bounds (`BudgetSpec`), the operator as an `Operator`,
+the stage layers as numbers, and the other settings as given, checking them all (every bad setting
+stops here, naming its argument).
 Everything downstream (the pipeline and its kinds, the record builder, the FLOPs table, the vLLM
 classes) receives the spec; no method, operator or stage is looked up by name or compared with a
 string outside the registry (`methods.py`) and this module.
