@@ -257,10 +257,8 @@ class HFRolloutEngine(PlannedRollouts):
     or per allocation (choice_logits). Keeps what the backbone update needs."""
 
     def __init__(self, adapter: QwenVideoAdapter, max_num_frames: int, budget: BudgetSpec, **kwargs):
-        from ..backbones.qwen import ADAPTERS
-
-        family = next(name for name, cls in ADAPTERS.items() if isinstance(adapter, cls))
-        super().__init__(adapter.layout, family, adapter.model.config._name_or_path, max_num_frames, budget, **kwargs)
+        layout = adapter.layout
+        super().__init__(layout, layout.family, adapter.model.config._name_or_path, max_num_frames, budget, **kwargs)
         self.adapter = adapter
 
     @torch.inference_mode()
