@@ -67,8 +67,12 @@ def _video_bytes(video: DecodedVideo) -> int:
     return int(video.frames.nbytes)
 
 
+def _tensor_bytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
+
+
 def _feature_bytes(features: dict) -> int:
-    return sum(t.numel() * t.element_size() for t in features.values())
+    return sum(_tensor_bytes(t) for t in features.values())
 
 
 class FrameCache:
@@ -106,16 +110,12 @@ class FeatureCache:
         return self.cache.get((video_key, query, self.encoder_key(allocator)), compute)
 
 
-def _tensors_bytes(tensor: torch.Tensor) -> int:
-    return tensor.numel() * tensor.element_size()
-
-
 class PairCache:
     """`resized_pairs(video, plan, video_key)`: `QwenLayout.resized_pairs`, each pair kept across
     allocations and steps up to `max_mb` MB."""
 
     def __init__(self, max_mb: float):
-        self.cache = LRUCache(max_mb, _tensors_bytes)
+        self.cache = LRUCache(max_mb, _tensor_bytes)
 
     def resized_pairs(self, video: DecodedVideo, plan: ResizePlan, video_key: tuple) -> list[torch.Tensor]:
         """Each pair's frames (2, 3, h, w) uint8 at its planned size in pixels."""

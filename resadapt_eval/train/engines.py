@@ -15,7 +15,6 @@
 
 from __future__ import annotations
 
-from contextlib import nullcontext
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -386,7 +385,8 @@ class SimulatedBackbone(RolloutEngine):
     ) -> Rollouts:
         """With `seed`, the noise comes from a generator seeded by it (the trainer's per-prompt seeds)."""
         rng = self.rng if seed is None else np.random.default_rng(seed)
-        with clock.phase("rollout_generate") if clock else nullcontext():
+        clock = clock or StepClock()
+        with clock.phase("rollout_generate"):
             q = self.quality(scales, prompt.sample.evidence)
             score = np.clip(q[:, None] + rng.normal(0, self.noise, (len(scales), n)), 0, 1).astype(np.float32)
         return Rollouts(
