@@ -45,7 +45,14 @@ def cmd_fixtures(args) -> int:
 
 
 def cmd_sweep(args) -> int:
-    from .cluster.settings import SCALAR_KEYS, BadSlurmSetting, check_card_section, parse_pairs, slurm_settings
+    from .cluster.settings import (
+        FLAGS,
+        SCALAR_KEYS,
+        BadSlurmSetting,
+        check_card_section,
+        parse_pairs,
+        slurm_settings,
+    )
     from .needle.data import ensure_needle_data
     from .sweep import (
         ChangedCells,
@@ -87,7 +94,7 @@ def cmd_sweep(args) -> int:
             flags["additional"] = parse_pairs(args.slurm_additional, "--slurm-additional")
             settings = slurm_settings(card.slurm, flags)
         else:
-            given = [f"--slurm-{k.replace('_', '-')}" for k, v in flags.items() if v is not None]
+            given = [FLAGS[k] for k, v in flags.items() if v is not None]
             given += ["--slurm-option"] * bool(args.slurm_option) + ["--slurm-additional"] * bool(args.slurm_additional)
             given += ["--slurm-local"] * args.slurm_local + ["--wait"] * args.wait
             given += ["--max-parallel"] * (args.max_parallel is not None)
