@@ -33,9 +33,11 @@ def read_cell(cell_dir: Path) -> dict | None:
 def write_marker(cell_dir: Path, executor: str, job_id: str | None, attempt: int, attempts: int, key: str, **extra):
     """The cell's `submitted.json`: which executor runs it under which job id, its attempt of
     `attempts` in this sweep command, its configuration key; the previous attempts' markers in
-    `history`."""
+    `history` (not a marker of a cell only held back, `held`, whose job id is None)."""
     previous = read_json(cell_dir / JOB_FILE)
     history = [] if previous is None else [*previous.pop("history", []), previous]
+    if previous is not None and previous.get("held"):  # only held back (`--max-parallel`), never submitted
+        history.pop()
     marker = dict(
         executor=executor, job_id=job_id, attempt=attempt, attempts=attempts, key=key, submitted=time.time(), **extra
     )

@@ -4,6 +4,7 @@ profile | needle (make-data | train-backbone | train-allocator | report)."""
 from __future__ import annotations
 
 import argparse
+import shutil
 import sys
 from pathlib import Path
 
@@ -48,20 +49,12 @@ def cmd_sweep(args) -> int:
     from .cluster.settings import (
         FLAGS,
         SCALAR_KEYS,
-        BadSlurmSetting,
         check_card_section,
         parse_pairs,
         slurm_settings,
     )
     from .needle.data import ensure_needle_data
-    from .sweep import (
-        ChangedCells,
-        check_cells,
-        load_card,
-        plan_cells,
-        run_sweep,
-        with_model_args,
-    )
+    from .sweep import check_cells, load_card, plan_cells, with_model_args
 
     try:
         card = load_card(args.card)
@@ -84,6 +77,7 @@ def cmd_sweep(args) -> int:
         if args.max_parallel is not None and args.max_parallel < 1:
             raise ValueError(f"--max-parallel must be at least 1, got {args.max_parallel}")
         flags = {key: getattr(args, f"slurm_{key}") for key in SCALAR_KEYS}
+        settings = None
         if args.executor == "slurm" and args.retries and not (args.wait or args.slurm_local):
             raise ValueError(
                 "--retries needs --wait with --executor slurm: a sweep that watches its jobs resubmits them "
@@ -107,6 +101,19 @@ def cmd_sweep(args) -> int:
         print(f"sweep: {exc}", file=sys.stderr)
         return 2
     ensure_needle_data(card.needle_data, args.limit)
+    output = Path(args.output)
+    new_folder = not output.exists()  # a refused sweep removes the folder it made, leaving nothing behind
+    code = run_sweep_command(args, card, cells, tasks, settings)
+    if code == 2 and new_folder:
+        shutil.rmtree(output, ignore_errors=True)
+    return code
+
+
+def run_sweep_command(args, card, cells, tasks, settings) -> int:
+    """The checked sweep, run here or submitted; its exit code (2: refused, nothing ran or was submitted)."""
+    from .cluster.settings import BadSlurmSetting
+    from .sweep import ChangedCells, run_sweep
+
     common = dict(
         launcher=args.launcher,
         limit=args.limit,
@@ -159,7 +166,7 @@ def cmd_sweep_status(args) -> int:
         print(f"sweep-status: --watch takes a positive number of seconds, got {args.watch}", file=sys.stderr)
         return 2
     try:
-        return show_status(args.run_dir, args.watch)
+        return show_status(args.run_dir, args.watch, verbose=args.verbose)
     except KeyboardInterrupt:
         return 130
 
@@ -179,10 +186,22 @@ def collected(args, include_failed: bool = False):
     return runs
 
 
+def absent_folders(args) -> int:
+    """2 after naming the first RUN_DIR that is not a folder (a typo, or a sweep not run yet), else 0."""
+    for run_dir in args.run_dir:
+        if not Path(run_dir).is_dir():
+            what = "is a file, not a sweep folder" if Path(run_dir).exists() else "does not exist"
+            print(f"{args.command}: {run_dir} {what}", file=sys.stderr)
+            return 2
+    return 0
+
+
 def cmd_tables(args) -> int:
     from .report.collect import missing_cells
     from .report.tables import build_tables, missing_markdown, to_markdown, write_tables
 
+    if absent_folders(args):
+        return 2
     runs = collected(args, include_failed=True)
     missing = missing_cells(args.run_dir, runs or [])
     if runs is None:
@@ -222,6 +241,8 @@ def cmd_plots(args) -> int:
     from .report.plots import write_plots
     from .report.tables import missing_markdown
 
+    if absent_folders(args):
+        return 2
     runs = collected(args)
     missing = missing_cells(args.run_dir, runs or [])
     if missing:  # complete cells only are drawn
@@ -359,15 +380,25 @@ def cmd_flops(args) -> int:
 
     try:
         dims, (width, height), frame_counts, methods, allocator = flops_settings(args)
+        too_long = []  # (frames, tokens) whose vanilla sequence is beyond the LLM's context length
         for frames in frame_counts:  # what the vanilla rows cannot plan (an extreme aspect ratio) stops here
             try:
-                row_flops(dims, "vanilla", frames, (height, width), None, args.text_tokens, args.output_tokens)
+                _, visual = row_flops(dims, "vanilla", frames, (height, width), None, args.text_tokens)
             except ValueError as exc:
                 raise ValueError(f"--size {args.size}: {exc}") from None
+            tokens = visual + args.text_tokens + args.output_tokens
+            if dims.text.context is not None and tokens > dims.text.context:
+                too_long.append((frames, tokens))
         memory = memory_settings(args)
     except ValueError as exc:
         print(f"flops: {exc}", file=sys.stderr)
         return 2
+    for frames, tokens in too_long:
+        print(
+            f"note: at {frames} frames vanilla's sequence is {tokens} tokens (visual, text and output), beyond "
+            f"{args.backbone}'s context length of {dims.text.context} tokens (max_position_embeddings): the model "
+            "cannot take it, and its rows count a sequence no run can have"
+        )
     if memory is not None:
         return print_memory_plan(args, dims, (height, width), frame_counts, methods, allocator, *memory)
     print(
@@ -758,7 +789,7 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser(
         "sweep-status",
         help="the state of every cell of a sweep folder (asking SLURM about submitted jobs) and a progress bar; "
-        "exit 1 while any cell has failed for good",
+        "exit 0 when no cell has failed or was interrupted, 1 while any has (2: no such folder or a bad flag)",
     )
     p.add_argument("run_dir", help="the sweep's --output")
     p.add_argument(
@@ -769,6 +800,9 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         metavar="SECONDS",
         help="refresh every SECONDS (default 30) until no cell is queued, running or retrying",
+    )
+    p.add_argument(
+        "--verbose", action="store_true", help="for each cell that stopped: its reason in full and its log's last lines"
     )
     p.set_defaults(func=cmd_sweep_status)
 

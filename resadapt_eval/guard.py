@@ -72,6 +72,18 @@ def run_guarded(cmd: list[str], log: Path, watch: Iterable[int] = ()) -> int:
                 proc.wait()
 
 
+def exit_description(returncode: int) -> str:
+    """`was killed by SIGKILL` for a process ended by a signal (a negative code, or 128 + N as this
+    guard and shells report it), else `exited with exit code N`."""
+    number = -returncode if returncode < 0 else returncode - 128 if 128 < returncode < 128 + signal.NSIG else None
+    if number is not None:
+        try:
+            return f"was killed by {signal.Signals(number).name} (exit code {returncode})"
+        except ValueError:
+            pass
+    return f"exited with exit code {returncode}"
+
+
 def end_group(child: subprocess.Popen, grace_s: float) -> None:
     """SIGTERM to the child's process group, SIGKILL to what is left after `grace_s` seconds."""
     if grace_s > 0:

@@ -19,7 +19,7 @@ from typing import get_args, get_type_hints
 import torch
 from loguru import logger
 
-from .allocator import BUDGET_FILE, UNTRAINED, budget_source, check_checkpoint, known_allocators, training_budget
+from .allocator import BUDGET_FILE, UNTRAINED, budget_source, check_checkpoint, training_budget
 from .budget.policies import BudgetSpec
 from .budget.selection import OPERATORS, Operator
 from .kinds import FRAME_SELECTION, MethodKind
@@ -35,7 +35,10 @@ class VideoPipelineConfig:
     intra-op threads for this process (None: torch's default for one process, the machine's CPUs
     divided among the processes when several run, see `apply_num_threads`); prune_layers: the
     decoder layers where an inside-the-LLM method prunes, comma-separated (None: the method's own);
-    allocator_query: what the Allocator reads as the query, `question` or `empty` (the ablation).
+    allocator_query: what the Allocator reads as the query, `question` or `empty` (the ablation);
+    allocator_transfer: run an Allocator whose `backbone.json` names another backbone on purpose (as
+    the paper runs its Qwen2.5-VL Allocator on Qwen3-VL; without it such a checkpoint stops at start;
+    methods without an Allocator ignore it, so a card can set it for every cell).
     These are the parsed model_args; the pipeline runs with them resolved (`RunSpec.resolve`)."""
 
     method: str = "vanilla"
@@ -48,6 +51,7 @@ class VideoPipelineConfig:
     allocator_quantile: float = 0.5
     allocator_seed: int = 0
     allocator_query: str = "question"
+    allocator_transfer: bool = False
     compression_seed: int = 0
     operator: str = "resize"
     candidates: int = 128
@@ -100,6 +104,7 @@ class RunSpec:
     allocator_query: str
     compression_seed: int
     strict: bool
+    allocator_transfer: bool = False
     kind: MethodKind = field(init=False)
 
     def __post_init__(self):
@@ -155,10 +160,10 @@ class RunSpec:
         if config.allocator is not None and not method.needs_allocator:
             raise ValueError(f"allocator= is only used by method=resadapt, not {config.method!r}")
         if config.allocator is None and method.needs_allocator:
-            known = "; ".join(known_allocators()) or "none in this installation"
             raise ValueError(
-                f"method={config.method} needs model_args allocator=<checkpoint folder> (committed: {known}), "
-                f"or allocator={UNTRAINED} to run the untrained Allocator on purpose"
+                f"method={config.method} needs model_args allocator=<checkpoint folder> (an Allocator trained with "
+                f"this backbone: resadapt-eval train), or allocator={UNTRAINED} to run the untrained Allocator on "
+                "purpose"
             )
         if method.retention == REQUIRED_RETENTION and config.budget.retention is None:
             raise ValueError(f"method={config.method} needs a target retention (model_args retention=...)")
@@ -202,6 +207,7 @@ class RunSpec:
             config.allocator_query,
             config.compression_seed,
             config.strict,
+            config.allocator_transfer,
         )
 
 

@@ -41,7 +41,7 @@ from .cells import (
     this_process,
     write_marker,
 )
-from .guard import ENDED_EXIT, run_guarded
+from .guard import ENDED_EXIT, exit_description, run_guarded
 from .manifest import read_manifests, versions, write_json
 
 # The method registry and the lmms-eval model names are imported where they are used: a cell's
@@ -84,6 +84,7 @@ class ModelCard:
     description: str = ""
     needle_data: dict | None = None
     slurm: dict = field(default_factory=dict)
+    source: str | None = None  # the card file it was read from (for messages; not a card key)
 
 
 def load_card(path: str | Path) -> ModelCard:
@@ -93,7 +94,7 @@ def load_card(path: str | Path) -> ModelCard:
     if not path.is_file():
         raise FileNotFoundError(f"model card not found: {path}")
     raw = yaml.safe_load(path.read_text()) or {}
-    known = set(ModelCard.__dataclass_fields__)
+    known = set(ModelCard.__dataclass_fields__) - {"source"}
     unknown = sorted(set(raw) - known)
     if unknown:
         raise ValueError(f"{path}: unknown card keys {unknown}; allowed: {sorted(known)}")
@@ -127,7 +128,7 @@ def load_card(path: str | Path) -> ModelCard:
         data["out"] = str((path.parent / data["out"]).resolve())
         raw["needle_data"] = data
     raw["slurm"] = raw.get("slurm") or {}  # checked by the sweep command (`cluster.settings.check_card_section`)
-    return ModelCard(**raw)
+    return ModelCard(**raw, source=str(path))
 
 
 def checked_model_args(model_args: dict, where: str) -> dict:
@@ -192,8 +193,8 @@ def plan_cells(methods: list[str], retentions: list[float], frames: list[int]) -
 def cell_config(card: ModelCard, cell: Cell, tasks: list[str], limit: int | None) -> dict:
     """Everything that determines a cell's result: the card's contents, the cell, its tasks and
     limit, and the package version (not the launcher or the card's SLURM settings: 1 and N
-    processes, here or on a cluster, give the same result)."""
-    contents = {k: v for k, v in asdict(card).items() if k != "slurm"}
+    processes, here or on a cluster, give the same result; nor where the card file lies)."""
+    contents = {k: v for k, v in asdict(card).items() if k not in ("slurm", "source")}
     return dict(card=contents, cell=asdict(cell), tasks=list(tasks), limit=limit, version=versions()["resadapt-eval"])
 
 
@@ -234,14 +235,17 @@ def check_cells(card: ModelCard, cells: list[Cell]) -> None:
     """Stop before the first cell runs when a cell's model_args would stop its lmms-eval run at
     start: each cell's model_args, parsed as lmms-eval parses its command line, go through its
     model class's own checks (`ResAdaptQwen.checked_config`: names, types, values, the method's
-    settings, the Allocator's budget.json), which need no weights. A ValueError names the cell."""
+    settings, the Allocator's budget.json) and the Allocator's backbone against the card's
+    (`allocator.check_backbone`), which need no weights. A ValueError names the cell."""
     import importlib
 
     from lmms_eval.utils import simple_parse_args_string
 
+    from .allocator import check_backbone
     from .lmms.manifests import model_names
 
     classes = model_names()
+    check_card_allocator(card, cells)
     for cell in cells:
         model, args = cell_model_args(card, cell)
         module, _, name = classes[model][0].rpartition(".")
@@ -250,7 +254,8 @@ def check_cells(card: ModelCard, cells: list[Cell]) -> None:
         for key in ("pretrained", "device", "attn_implementation", "sidecar_dir"):  # checked when loading
             parsed.pop(key, None)
         try:
-            cls.checked_config(**parsed)
+            config = cls.checked_config(**parsed)
+            check_backbone(config.allocator, card.backbone, card.pretrained, config.allocator_transfer)
         except ValueError as exc:
             raise ValueError(f"cell {cell.name} ({model}): {exc}") from None
 
@@ -288,20 +293,33 @@ class ChangedCells(ValueError):
     """The output holds finished cells computed under another configuration."""
 
 
+def check_card_allocator(card: ModelCard, cells: list[Cell]) -> None:
+    """ValueError naming the card file when a cell's method needs an Allocator and the card sets none,
+    offering the committed checkpoints trained with the card's backbone (never another's)."""
+    from .methods import get_method
+
+    needs = sorted({c.method for c in cells if get_method(c.method).needs_allocator})
+    if needs and not card.allocator:
+        from .allocator import known_allocators
+
+        known = known_allocators(card.backbone, card.pretrained)
+        offer = f"; committed for this backbone: {', '.join(known)}" if known else ""
+        raise ValueError(
+            f"card {card.name} sets no `allocator:` ({card.source or 'the card file'}); {', '.join(needs)} "
+            "cells need one: set `allocator:` there to an Allocator checkpoint trained with this backbone "
+            f"(resadapt-eval train writes one){offer}, or to `untrained` to run the untrained Allocator on purpose "
+            "(or give sweep --model-args allocator=...)"
+        )
+
+
 def check_sweep(card: ModelCard, cells: list[Cell], tasks: list[str], max_failed_fraction: float) -> None:
     """ValueError for a sweep no cell of which could give a result."""
-    from .methods import get_method
 
     if not tasks:
         raise ValueError("no tasks: pass --tasks or list them in the card")
     if not 0 <= max_failed_fraction <= 1:
         raise ValueError(f"max_failed_fraction must be in [0, 1], got {max_failed_fraction}")
-    needs = sorted({c.method for c in cells if get_method(c.method).needs_allocator})
-    if needs and not card.allocator:
-        raise ValueError(
-            f"card {card.name} has no `allocator:`; {', '.join(needs)} cells need an Allocator checkpoint "
-            "(or `allocator: untrained` to run the untrained one on purpose)"
-        )
+    check_card_allocator(card, cells)
 
 
 def sweep_configs(
@@ -439,9 +457,12 @@ def run_cell(
     elif samples == 0:
         error = "no samples were answered"
     elif failed_samples > max_failed_fraction * samples:
-        quoted = "\n".join(f"  {e['task']} doc {e['doc_id']}: {e['error']}" for m in runs for e in m["first_errors"])
+        errors = [f"{e['task']} doc {e['doc_id']}: {e['error']}" for m in runs for e in m["first_errors"]]
         allowed = f"max_failed_fraction={max_failed_fraction}"
-        error = f"{failed_samples} of {samples} samples failed ({allowed}); first:\n{quoted}"
+        first = errors[0].strip().splitlines()[0] if errors else "no error recorded"
+        error = f"{failed_samples} of {samples} samples failed ({allowed}); first: {first}"
+        if len(errors) > 1 or (errors and errors[0].strip() != first):
+            error += "\n" + "\n".join(f"  {e}" for e in errors)
     else:
         error = None
     record = dict(
@@ -469,8 +490,13 @@ def run_cell(
 
 
 def _error_tail(output: str, returncode: int, lines: int = 20) -> str:
-    """The end of a failed cell's output; lmms-eval may exit 0 after an error, so the lines
-    mentioning an error come first."""
+    """How the cell's lmms-eval run ended (`exit_description`), then the end of its output: the
+    lines mentioning an error first (lmms-eval may exit 0 after an error)."""
     text = output.splitlines()
     errors = [line for line in text if "Error" in line or "error" in line]
-    return "\n".join((errors or text)[-lines:]) or f"exit code {returncode}"
+    tail = (errors or text)[-lines:]
+    if returncode == 0:
+        head = f"lmms-eval exited with exit code 0 but wrote no results: {tail[-1].strip() if tail else 'no output'}"
+    else:
+        head = f"lmms-eval {exit_description(returncode)}" + (f": {tail[-1].strip()}" if tail else "")
+    return "\n".join([head, *tail])

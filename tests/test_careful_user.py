@@ -4,11 +4,14 @@ the lmms-eval model classes and the CLI's functions."""
 
 import json
 import re
+from pathlib import Path
 
 import pytest
 import torch
 
 from resadapt_eval.allocator import Allocator, AllocatorConfig, CheckpointError
+
+from .helpers import REPO
 
 VIDEOS = ("smoke_000.mp4", "smoke_001.mp4")
 
@@ -405,18 +408,95 @@ def test_a_checkpoint_without_budget_json_is_warned_about_and_every_record_says_
     assert records[0]["allocator_budget"] == "budget.json"
 
 
-def test_a_checkpoint_trained_on_another_backbone_is_warned_about(fixtures_dir, tmp_path):
+def test_a_checkpoint_trained_on_another_backbone_stops_at_start_unless_transferred_on_purpose(fixtures_dir, tmp_path):
     folder = tiny_allocator(tmp_path / "alloc")
     trained = dict(family="qwen3vl", pretrained=str(fixtures_dir / "qwen3vl"))
     (folder / "backbone.json").write_text(json.dumps(trained))
+    args = dict(method="resadapt", allocator=str(folder), retention=0.25)
+    with pytest.raises(ValueError, match="was trained with another backbone: family qwen25vl") as refused:
+        lmms_model(fixtures_dir, tmp_path, **args)
+    assert f"pretrained {fixtures_dir / 'qwen25vl'} (trained with {fixtures_dir / 'qwen3vl'})" in str(refused.value)
+    assert "allocator_transfer=true" in str(refused.value)
     messages, stop = loguru_messages()
     try:
-        lmms_model(fixtures_dir, tmp_path, method="resadapt", allocator=str(folder), retention=0.25)
-        lmms_model(fixtures_dir, tmp_path, "qwen3vl", method="resadapt", allocator=str(folder), retention=0.25)
+        lmms_model(fixtures_dir, tmp_path, allocator_transfer=True, **args)
+        lmms_model(fixtures_dir, tmp_path, "qwen3vl", **args)
     finally:
         stop()
     (warning,) = [m for m in messages if "trained with another backbone" in m]
     assert f"family qwen25vl (trained with qwen3vl); pretrained {fixtures_dir / 'qwen25vl'}" in warning
+    assert "on purpose (allocator_transfer=true)" in warning
+
+
+def test_the_shipped_needle_allocators_name_their_backbone_and_are_refused_for_a_7b_card(capsys):
+    """Each committed Allocator's backbone.json names the needle backbone beside it (a relative path,
+    so the check holds wherever the repository lies); given to a 7B card, `sweep` stops at start
+    naming the mismatch, and a 7B card without an Allocator is never offered them."""
+    from resadapt_eval.allocator import known_allocators, training_backbone
+    from resadapt_eval.cli import main
+
+    shipped = sorted(p.parent for p in (REPO / "results").glob("**/allocator*/model.safetensors"))
+    assert len(shipped) >= 2
+    for folder in shipped:
+        trained = training_backbone(str(folder))
+        assert Path(trained["pretrained"]).is_dir() and Path(trained["pretrained"]).parent == folder.parent, folder
+    seven_b = REPO / "model_cards" / "qwen25vl-7b-32f.yaml"
+    assert known_allocators("qwen25vl", "Qwen/Qwen2.5-VL-7B-Instruct") == []
+    for folder in shipped:
+        argv = ["sweep", "--card", str(seven_b), "--methods", "resadapt", "--retention", "0.25"]
+        argv += ["--model-args", f"allocator={folder}", "--output", "/nonexistent/never-written"]
+        assert main(argv) == 2
+        err = capsys.readouterr().err
+        assert len(err.strip().splitlines()) == 1, err
+        assert f"allocator={folder} was trained with another backbone" in err
+        assert "pretrained Qwen/Qwen2.5-VL-7B-Instruct (trained with" in err
+    assert (
+        main(
+            [
+                "sweep",
+                "--card",
+                str(seven_b),
+                "--methods",
+                "resadapt",
+                "--retention",
+                "0.25",
+                "--output",
+                "/nonexistent/x",
+            ]
+        )
+        == 2
+    )
+    err = capsys.readouterr().err
+    assert f"card qwen25vl-7b-32f sets no `allocator:` ({seven_b})" in err and "needle" not in err
+
+
+def test_a_needle_card_without_an_allocator_is_offered_the_ones_trained_with_its_backbone(tmp_path, capsys):
+    import yaml
+
+    from resadapt_eval.cli import main
+
+    card = yaml.safe_load((REPO / "model_cards" / "needle-qwen25vl.yaml").read_text())
+    card.update(pretrained=str(REPO / "results" / "needle" / "backbone-qwen25vl"), allocator=None, needle_data=None)
+    card["include_path"] = str(REPO / "tasks")
+    path = tmp_path / "needle-no-allocator.yaml"
+    path.write_text(yaml.safe_dump(card))
+    argv = [
+        "sweep",
+        "--card",
+        str(path),
+        "--methods",
+        "resadapt",
+        "--retention",
+        "0.25",
+        "--output",
+        str(tmp_path / "o"),
+    ]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert f"sets no `allocator:` ({path})" in err
+    offered = err.split("committed for this backbone: ")[1].split(", or to")[0].split(", ")
+    assert offered == ["results/needle/allocator-long-qwen25vl", "results/needle/allocator-qwen25vl"]
+    assert not (tmp_path / "o").exists()
 
 
 def test_the_trainer_records_the_backbone_beside_the_checkpoint(fixtures_dir, tmp_path):

@@ -110,7 +110,8 @@ def ref_fastvid(tokens: VisualTokens, keep: int):
                 scores = ref_density_scores(features[others])
                 targets += [others[i] for i in sorted(range(len(others)), key=lambda i: (-scores[i], i))[: anchors[j]]]
             non_salient += others
-        if not targets:  # no contextual budget: the non-salient tokens go (as int(k d) = 0 leaves none, :989)
+        if not targets:  # no contextual budget: the port drops the non-salient tokens (a deviation: upstream
+            # raises there, IndexError at :1001; see the module docstring)
             continue
         # :996-1001 / :1044-1049: each non-salient token joins its most cosine-similar anchor; deviation: one anchor
         # over all the segment's anchor frames (the reference matches it to one anchor in each anchor frame); an

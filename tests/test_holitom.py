@@ -110,6 +110,15 @@ def test_fixed_video_keep_8_weighs_the_centre_by_beta():
     torch.testing.assert_close(merged, torch.tensor(expected, dtype=torch.float64), atol=1e-6, rtol=0)
 
 
+def test_fixed_video_keep_8_weights_hold_beta_exactly():
+    # The same cluster's weights, float64: each of the centre chain's 3 tokens (0, 6, 12) 0.6 / 3, each token
+    # of the 2 merged chains (1, 7, 13 and 2, 8, 14) 0.4 / 2 / 3; beta is not rounded to float32 on the way.
+    weights = holitom.compress(video(), 8).weights
+    assert weights.dtype == torch.float64
+    assert weights[[0, 6, 12]].tolist() == [holitom.BETA / 3] * 3
+    assert weights[[1, 7, 13, 2, 8, 14]].tolist() == [(1 - holitom.BETA) / 2 / 3] * 6
+
+
 def test_fixed_video_keep_20_releases_the_weakest_chain():
     # Temporal merging alone leaves 18 < 20 tokens: the weakest chain, pos 2 (lowest similarity 0.90;
     # pos 1: 0.95, pos 0: 1), returns to the dynamic set, leaving 20. Every set is then kept whole; the

@@ -14,7 +14,6 @@ from pathlib import Path
 
 import numpy as np
 import torch
-import yaml
 
 from ..manifest import REPO
 from ..measure.clock import Stopwatch
@@ -91,7 +90,8 @@ def backbone_identity(family: str, pretrained: str) -> dict:
 
 def training_backbone(spec: str | None) -> dict:
     """The backbone an Allocator checkpoint was trained with (its `backbone.json`: family,
-    pretrained); empty for `untrained` or a checkpoint saved without one."""
+    pretrained; a relative `pretrained` that names a folder beside the checkpoint, as in a shipped
+    checkpoint, is that folder's absolute path); empty for `untrained` or a checkpoint saved without one."""
     if spec in (None, UNTRAINED):
         return {}
     path = Path(spec) / BACKBONE_FILE
@@ -103,6 +103,9 @@ def training_backbone(spec: str | None) -> dict:
         raise CheckpointError(f"{path}: not valid JSON ({exc})") from exc
     if not isinstance(trained, dict) or set(trained) != {"family", "pretrained"}:
         raise CheckpointError(f"{path}: expected an object with family and pretrained")
+    beside = Path(spec) / str(trained["pretrained"])
+    if not Path(str(trained["pretrained"])).is_absolute() and beside.is_dir():
+        trained["pretrained"] = str(beside.resolve())
     return trained
 
 
@@ -114,19 +117,32 @@ def backbone_differences(spec: str | None, family: str, pretrained: str) -> list
     return [f"{key} {running[key]} (trained with {trained[key]})" for key in trained if trained[key] != running[key]]
 
 
-def known_allocators() -> list[str]:
+def check_backbone(spec: str | None, family: str, pretrained: str, transfer: bool) -> list[str]:
+    """ValueError when the Allocator `spec` was trained with another backbone than the one running
+    it (`backbone_differences`), unless `transfer` (model_args allocator_transfer=true: run it on
+    another backbone on purpose, as the paper transfers its Qwen2.5-VL Allocator to Qwen3-VL);
+    returns the differences (empty when none, or none recorded)."""
+    differences = backbone_differences(spec, family, pretrained)
+    if differences and not transfer:
+        raise ValueError(
+            f"allocator={spec} was trained with another backbone: {'; '.join(differences)}. Its scales were "
+            "learned for that backbone's answers: give an Allocator trained with this backbone (resadapt-eval "
+            "train), or model_args allocator_transfer=true to run this one on it on purpose"
+        )
+    return differences
+
+
+def known_allocators(family: str, pretrained: str) -> list[str]:
     """Allocator checkpoints committed in this repository (`results/**/config.json` of an
-    Allocator) and the model cards that name one, for error messages; empty when installed
-    without the repository."""
-    found = [
+    Allocator) trained with this backbone (their `backbone.json`), for error messages; empty when
+    installed without the repository or when none was."""
+    return [
         str(p.parent.relative_to(REPO))
         for p in sorted(REPO.glob("results/**/allocator*/config.json"))
         if (p.parent / "model.safetensors").is_file()
+        and training_backbone(str(p.parent))
+        and not backbone_differences(str(p.parent), family, pretrained)
     ]
-    for card in sorted(REPO.glob("model_cards/*.yaml")):
-        if (yaml.safe_load(card.read_text()) or {}).get("allocator") not in (None, UNTRAINED):
-            found.append(f"the card {card.relative_to(REPO)}")
-    return found
 
 
 class AllocatorPolicy:

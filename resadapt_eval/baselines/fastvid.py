@@ -64,8 +64,14 @@ Deviations from the reference:
   A frame with fewer than 4 non-salient tokens reads its density over all of them (the reference's
   frames always have more). An anchor always heads its own group (the reference, when two anchors
   point the same way, matches the later one to the earlier, whose n counts it).
-- A segment without contextual budget drops its non-salient tokens (as the reference does when
-  int(k d) = 0).
+- A segment without anchors (no contextual budget, or no room for it in its anchor frames) drops
+  its non-salient tokens. No code of the authors does that (a40a109). The LLaVA-OneVision code
+  raises IndexError where int(k d) = 0: an argmax over zero anchors at
+  fastvid_llavaonevision/LLaVA-NeXT/llava/model/language_model/modeling_qwen2.py:1001.
+  The LLaVA-Video copy gives a segment of L frames int(k L d) contextual tokens
+  (fastvid_llavavideo/LLaVA-NeXT/llava/model/language_model/modeling_qwen2.py:941-943) and raises
+  where that is 0: a torch.cat of no anchors at :1052. The Qwen2.5-VL port gives every segment at
+  least one contextual token (modeling_qwen2_5_vl.py:1930).
 """
 
 from __future__ import annotations

@@ -63,11 +63,14 @@ Deviations, each for a reason:
   included (`utils.py:129-132`), so a selected token can be kept twice (also as a cluster centre)
   and its feature enter a cluster as well; an assignment gives each token one group, so we cluster
   the unselected tokens only, as the reference does in segments of two or more pairs.
-- Determinism: DPC-kNN's density has no random noise (the reference adds uniform [0, 1e-6)), equal
-  densities: the lower index is denser; a tree's distance to itself is exactly 0 (the
-  matmul-based `cdist` leaves rounding noise there, which with k = 1, every density exp(0), would
-  pick the centre); centre ties go to the lower index, assignment ties to the higher-scored centre.
-  `seed` is unused.
+- Determinism: DPC-kNN's density has no random noise; equal densities: the lower index is denser.
+  The reference adds uniform [0, 1e-6) noise to every density (`utils.py:255`). The noise orders
+  equal densities and can reverse any two less than 1e-6 apart, so it decides the reference's
+  clustering on ties and where densities are 1e-6 or less (a mean d^2 over the k nearest of at
+  least ln(1e6), about 13.8): there it can exceed the density, which scales each score density * delta.
+  A tree's distance to itself is exactly 0 (the matmul-based `cdist` leaves rounding noise there,
+  which with k = 1, every density exp(0), would pick the centre); centre ties go to the lower index,
+  assignment ties to the higher-scored centre. `seed` is unused.
 - Edge cases where the reference raises: a one-token pair's ADTS pick is its token (the reference
   takes the top 2 of a column); a segment whose budget is all its tokens merges nothing (the
   reference takes the last of a top-0).
@@ -158,7 +161,10 @@ def dpc_knn(feats: torch.Tensor, count: int) -> tuple[torch.Tensor, torch.Tensor
     nearest = dist.topk(min(count, MAX_NEIGHBOURS), dim=1, largest=False).values
     density = torch.exp(-(nearest**2).mean(dim=1))
     index = torch.arange(n, device=feats.device)
-    denser = (density[None, :] > density[:, None]) | (  # [i, j]: j is denser than i
+    # [i, j]: j is denser than i; ties: the lower index. The reference adds uniform [0, 1e-6) noise
+    # instead (Fanziyang-v/FlashVID@1d37422 flashvid/utils.py:255): it decides the reference's ties
+    # and can reverse any two densities less than 1e-6 apart (all where densities are 1e-6 or less).
+    denser = (density[None, :] > density[:, None]) | (
         (density[None, :] == density[:, None]) & (index[None, :] < index[:, None])
     )
     delta = torch.where(denser, dist, dist.max()).min(dim=1).values

@@ -67,8 +67,17 @@ Deviations from the reference:
 - Salience: `received_attention`, the same quantity as the reference (last ViT block, mean over
   heads and queries), per merged token (mean over its 4 patches) instead of 2x2-pooled.
 - Windows unbounded (the reference's default MAX_WINDOW_SIZE 1024).
-- Determinism: equal densities are ordered by token index (the reference adds 1e-6 random noise);
-  top-k ties go to the lower index.
+- Determinism: equal densities are ordered by token index (the reference adds uniform [0, 1e-6)
+  noise, llava_arch.py:38-40); top-k ties go to the lower index.
+- The reference is random where a window has one or two static centres: its DPC-kNN reads a density
+  over k = min(K, centres) nearest positions, the position itself included (llava_arch.py:203,
+  :36-37). With k = 1 every density is exp(-d^2) of a position's distance to itself, 0 up to
+  cdist's rounding, so the noise (with that rounding) picks the densest position; it takes the
+  largest distance (:44-45), so the top score, and is the centre (:48-49). With k = 2 a density
+  depends only on the distance to the nearest other position, so two positions nearest to each
+  other tie, and the noise decides which is a centre where only one of them is. Here such ties go
+  to the lower index: with one centre and up to 25 positions (cdist's self-distances are then
+  exactly 0) the first position is the centre.
 """
 
 from __future__ import annotations
@@ -257,10 +266,13 @@ def merge_static(
     nearest = nearest.cpu()
     merged = torch.bincount(nearest, minlength=len(nearest)).double() - 1  # chains merged into each centre
     is_centre = nearest == torch.arange(len(nearest), device=nearest.device)
+    # beta in the weights' own dtype and device (float64, CPU): torch.where(mask, BETA, 1.0) would make
+    # a float32 tensor, and its 0.6000000238 would enter every centre's weight
+    beta = torch.tensor(BETA, dtype=weights.dtype, device=weights.device)
     chain_weight = torch.where(
         is_centre,
-        torch.where(merged > 0, BETA, 1.0),
-        (1 - BETA) / merged[nearest].clamp(min=1),
+        torch.where(merged > 0, beta, torch.ones_like(beta)),
+        (1 - beta) / merged[nearest].clamp(min=1),
     )
     length = window.chains.shape[1]
     weights[window.chains.cpu()] = (chain_weight / length)[:, None].expand(-1, length)

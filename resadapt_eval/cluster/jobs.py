@@ -13,21 +13,25 @@ starts over). A job that reaches its time limit is not requeued: it would only r
 
 from __future__ import annotations
 
+import contextlib
+import os
 import shutil
 import subprocess
+import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import submitit
 
-from ..cells import CELL_FILE, JOB_FILE, STARTED_FILE, read_cell, read_json, this_process, write_marker
+from ..cells import CELL_FILE, JOB_FILE, LOG_FILE, STARTED_FILE, read_cell, read_json, this_process, write_marker
 from ..guard import GRACE_S, process_alive
 from ..manifest import write_json
 from ..sweep import Cell, ModelCard, cell_command, check_sweep, config_key, run_cell, sweep_configs, write_plan
-from .settings import BadSlurmSetting, SlurmSettings, executor_parameters
+from .settings import BadSlurmSetting, SlurmSettings, executor_parameters, where
 
 SUBMITIT_DIR = ".submitit"  # in the sweep folder: submitit's pickles and each job's logs
+CONTROLLER_LOG = "controllers.log"  # in SUBMITIT_DIR: what the local executor's job controllers print
 LOCAL, SLURM = "slurm-local", "slurm"  # the executors of a cell's submitted.json (`local`: run_sweep)
 UNKNOWN_GRACE_S = 600  # a job sacct does not know yet is taken as queued for this long after submission
 POLL_S = {LOCAL: 1.0, SLURM: 30.0}  # seconds between checks of the jobs of a sweep that waits
@@ -128,7 +132,7 @@ def attach(marker: dict):
 
 def refresh_slurm(markers: list[dict]) -> None:
     """One sacct call (through submitit) for the SLURM jobs of these markers; `scheduler_state` reads its answer."""
-    jobs = [attach(m) for m in markers if m["executor"] == SLURM]
+    jobs = [attach(m) for m in markers if m["executor"] == SLURM and m.get("job_id") is not None]
     if jobs:
         jobs[0].watcher.update()
 
@@ -153,26 +157,55 @@ def scheduler_state(marker: dict) -> tuple[str, bool]:
     return state, not job.watcher.is_done(job.job_id, mode="cache")
 
 
-def ended_reason(job, state: str) -> str:
-    """Why a job ended without a record of its cell: its exception, or its state and log."""
+# SLURM's job states (sacct) of a job that ended, in words; others are quoted as the scheduler gives them
+SLURM_ENDINGS = {
+    "OUT_OF_MEMORY": "ran out of memory (raise --slurm-mem-gb)",
+    "TIMEOUT": "reached its time limit (raise --slurm-timeout-min)",
+    "CANCELLED": "was cancelled (scancel, or the cluster's administrators)",
+    "NODE_FAIL": "lost its node (node failure)",
+    "PREEMPTED": "was preempted",
+    "FAILED": "failed (its batch script exited non-zero)",
+    "BOOT_FAIL": "could not start on its node (boot failure)",
+    "DEADLINE": "reached its deadline",
+    "COMPLETED": "finished without writing its cell's record",
+}
+
+
+def ended_reason(marker: dict, state: str, cell_dir: Path) -> str:
+    """Why a cell's job ended without the cell's record, first line first: the exception it raised,
+    how its process died (the local executor: no result and no record means a signal: SIGKILL,
+    the out-of-memory killer, a crash), or the scheduler's state in words; then where to look."""
+    job = attach(marker)
+    head = f"job {marker['job_id']}"
     if job.paths.result_pickle.exists():
         exception = job.exception()
-        if exception is not None:
-            return f"job {job.job_id} raised:\n" + "\n".join(str(exception).strip().splitlines()[-12:])
-        return f"job {job.job_id} finished without writing its cell's record"
-    log = job.paths.stderr
-    tail = log.read_text(errors="replace").strip().splitlines()[-8:] if log.is_file() else []
-    return "\n".join(
-        [
-            f"job {job.job_id} ended (scheduler state {state}) without finishing its cell: killed, out of memory, "
-            "time limit or node failure; its log:"
-        ]
-        + tail
-    )
+        if exception is None:
+            return f"{head} finished without writing its cell's record"
+        lines = str(exception).strip().splitlines()
+        return f"{head} raised {(lines or ['an exception'])[-1]}\n" + "\n".join(lines[-12:])
+    if marker["executor"] == LOCAL:
+        started = read_json(cell_dir / STARTED_FILE)
+        if started is None:
+            return f"{head} ended before its cell started (killed by a signal; scheduler state {state})"
+        return (
+            f"{head} was killed by a signal: its process {started['pid']} ended without a result or its cell's "
+            "record (SIGKILL, the out-of-memory killer or a crash)"
+        )
+    words = SLURM_ENDINGS.get(state.split()[0] if state else "", "ended")
+    return f"{head} {words} (SLURM state {state}) before finishing its cell"
 
 
-def record_failure(spec: SweepSpec, cell: Cell, job, state: str) -> dict:
-    """The `cell.json` of a cell whose job ended without one: failed, with the reason and the job's logs."""
+def cell_log(cell_dir: Path, marker: dict) -> str:
+    """Where to read why a cell ended: its own lmms-eval log once that has lines, else its job's stderr."""
+    log = cell_dir / LOG_FILE
+    if log.is_file() and log.stat().st_size:
+        return str(log)
+    return str(attach(marker).paths.stderr)
+
+
+def record_failure(spec: SweepSpec, cell: Cell, job, marker: dict) -> dict:
+    """The `cell.json` of a cell whose job ended without one: failed, with how it ended and its log."""
+    cell_dir = spec.output / cell.name
     record = dict(
         card=spec.card.name,
         backbone=spec.card.backbone,
@@ -186,14 +219,47 @@ def record_failure(spec: SweepSpec, cell: Cell, job, state: str) -> dict:
         seconds=None,
         command=None,
         results=None,
-        error=ended_reason(job, state),
-        log=str(job.paths.stderr),
+        error=ended_reason(marker, job.state, cell_dir),
+        log=cell_log(cell_dir, marker),
         job=dict(job_id=job.job_id, stdout=str(job.paths.stdout), stderr=str(job.paths.stderr)),
         key=config_key(spec.configs[cell]),
         config=spec.configs[cell],
     )
-    write_json(spec.output / cell.name / CELL_FILE, record)
+    write_json(cell_dir / CELL_FILE, record)
     return record
+
+
+@contextlib.contextmanager
+def controllers_output(log: Path, redirect: bool):
+    """While submitting to the local executor: this process's stdout and stderr (file descriptors 1
+    and 2, which the job controllers it starts inherit) go to `log`, so that Ctrl-C in the terminal,
+    which reaches the controllers too, prints their tracebacks there, not on the terminal."""
+    if not redirect:
+        yield
+        return
+    log.parent.mkdir(parents=True, exist_ok=True)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    saved = [os.dup(1), os.dup(2)]
+    try:
+        with open(log, "a") as out:
+            os.dup2(out.fileno(), 1)
+            os.dup2(out.fileno(), 2)
+        yield
+    finally:
+        for fd, copy in zip((1, 2), saved):
+            os.dup2(copy, fd)
+            os.close(copy)
+
+
+def warn_unchecked(settings: SlurmSettings, echo) -> None:
+    """--slurm-local: one line for each SLURM-only setting given, which the local executor neither
+    checks nor applies (the cluster's sbatch would)."""
+    for key in ("partition", "account", "qos", "options", "additional"):
+        value = getattr(settings, key)
+        if value:
+            shown = ", ".join(f"{k}={v}" for k, v in value.items()) if isinstance(value, dict) else value
+            echo(f"warning: {where(key)} {shown}: SLURM only; --slurm-local neither checks nor applies it")
 
 
 def submit(executor, spec: SweepSpec, cells: list[Cell], kind: str, attempts: dict, max_attempts: int, watched: bool):
@@ -218,13 +284,14 @@ def submit(executor, spec: SweepSpec, cells: list[Cell], kind: str, attempts: di
         for name in (CELL_FILE, STARTED_FILE):
             (spec.output / cell.name / name).unlink(missing_ok=True)
     try:
-        if len(cells) == 1:
-            executor.update_parameters(name=f"{spec.card.name}:{cells[0].name}")
-            jobs = [executor.submit(functions[0])]
-        else:
-            executor.update_parameters(name=spec.card.name)
-            with executor.batch():
-                jobs = [executor.submit(f) for f in functions]
+        with controllers_output(spec.output / SUBMITIT_DIR / CONTROLLER_LOG, kind == LOCAL):
+            if len(cells) == 1:
+                executor.update_parameters(name=f"{spec.card.name}:{cells[0].name}")
+                jobs = [executor.submit(functions[0])]
+            else:
+                executor.update_parameters(name=spec.card.name)
+                with executor.batch():
+                    jobs = [executor.submit(f) for f in functions]
     except RuntimeError as exc:  # submitit's FailedJobError (sbatch's exit status) or FailedSubmissionError
         raise SubmissionFailed(f"the scheduler refused {', '.join(c.name for c in cells)}: {exc}") from exc
     for cell, job in zip(cells, jobs):
@@ -269,7 +336,11 @@ def submit_sweep(
     output.mkdir(parents=True, exist_ok=True)
     configs, done = sweep_configs(card, cells, tasks, output, limit, rerun_changed)
     markers = {c: read_json(output / c.name / JOB_FILE) for c in cells if c not in done}
-    markers = {c: m for c, m in markers.items() if m is not None and read_cell(output / c.name) is None}
+    markers = {
+        c: m
+        for c, m in markers.items()
+        if m is not None and m.get("job_id") is not None and read_cell(output / c.name) is None
+    }
     refresh_slurm(list(markers.values()))
     running = {}
     for cell, marker in markers.items():
@@ -283,6 +354,8 @@ def submit_sweep(
             )
         running[cell] = (marker, state)
     executor = make_executor(output, settings, local, max_parallel)
+    if local:
+        warn_unchecked(settings, echo)
     write_plan(output, card, cells, tasks)
     todo = [c for c in cells if c not in done and c not in running]
     echo(
@@ -310,12 +383,26 @@ def submit_sweep(
     return [records.get(c) or done.get(c) or read_cell(output / c.name) for c in cells]
 
 
+def hold(spec: SweepSpec, cells: list[Cell], kind: str, attempts: int) -> None:
+    """Mark `cells` as held back by this sweep (`--max-parallel`): `sweep-status` shows them queued
+    while it runs. An earlier attempt's record or start no longer stands for them."""
+    for cell in cells:
+        cell_dir = spec.output / cell.name
+        cell_dir.mkdir(parents=True, exist_ok=True)
+        for name in (CELL_FILE, STARTED_FILE):
+            (cell_dir / name).unlink(missing_ok=True)
+        key = config_key(spec.configs[cell])
+        write_marker(cell_dir, kind, None, 1, attempts, key, held=True, sweep=this_process())
+
+
 def watch(executor, spec: SweepSpec, cells: list[Cell], kind: str, retries: int, max_parallel, echo) -> dict:
     """Run `cells` as jobs, at most `max_parallel` at once, until each is done or has failed
     `retries + 1` times; returns cell -> record. Interrupted, it cancels the local executor's jobs
     (their cells end with them) and leaves SLURM's running."""
     queue, active, records, attempts = list(cells), {}, {}, dict.fromkeys(cells, 0)
     total, finished, started = len(cells), 0, time.perf_counter()
+    if max_parallel is not None:
+        hold(spec, queue[max_parallel:], kind, retries + 1)
     try:
         while queue or active:
             while queue and (max_parallel is None or len(active) < max_parallel):
@@ -333,7 +420,8 @@ def watch(executor, spec: SweepSpec, cells: list[Cell], kind: str, retries: int,
                 if not job.done():
                     continue
                 del active[cell]
-                record = read_cell(spec.output / cell.name) or record_failure(spec, cell, job, job.state)
+                marker = read_json(spec.output / cell.name / JOB_FILE)
+                record = read_cell(spec.output / cell.name) or record_failure(spec, cell, job, marker)
                 if record["status"] != "done" and attempts[cell] <= retries:
                     attempt = f"attempt {attempts[cell]} of {retries + 1}"
                     echo(f"{cell.name}: failed ({attempt}), resubmitting: {record['error']}")

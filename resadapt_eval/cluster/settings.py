@@ -3,6 +3,7 @@ checked before anything is submitted, and turned into submitit's executor parame
 
 from __future__ import annotations
 
+import difflib
 import tempfile
 from dataclasses import dataclass, field, fields
 
@@ -76,11 +77,19 @@ def parse_pairs(pairs: list[str], flag: str) -> dict:
 
 def check_card_section(card_section, card: str) -> None:
     """A card's `slurm:` section is a mapping of SLURM settings (`SlurmSettings`' fields)."""
-    if not isinstance(card_section, dict) or set(card_section) - set(CARD_KEYS):
+    if not isinstance(card_section, dict):
         raise BadSlurmSetting(
-            f"{card}: slurm takes a mapping of SLURM settings with keys {list(CARD_KEYS)} (docs/cluster.md), "
+            f"{card}: slurm takes a mapping of SLURM settings with keys {', '.join(CARD_KEYS)} (docs/cluster.md), "
             f"got {card_section!r}"
         )
+    for key in card_section:
+        if key not in CARD_KEYS:
+            close = difflib.get_close_matches(str(key), CARD_KEYS, n=1)
+            hint = f"; did you mean {close[0]}?" if close else "."
+            raise BadSlurmSetting(
+                f"{card}: slurm.{key} is not a SLURM setting{hint} The card's slurm: keys are "
+                f"{', '.join(CARD_KEYS)} (docs/cluster.md); other submitit parameters go under slurm.options"
+            )
 
 
 def slurm_settings(card_section: dict, flags: dict) -> SlurmSettings:
@@ -126,9 +135,24 @@ def check(settings: SlurmSettings) -> None:
         for option, value in settings.options.items():
             try:
                 submitit.AutoExecutor(folder=folder, cluster="debug").update_parameters(**{f"slurm_{option}": value})
-            except (NameError, ValueError, AssertionError) as exc:
+            except NameError as exc:  # submitit's message lists its valid names; ours are those less the reserved
+                raise BadSlurmSetting(f"{where('options')} {option}: {unknown_option(option, str(exc))}") from None
+            except (ValueError, AssertionError) as exc:
                 first = str(exc).splitlines()[0]
                 raise BadSlurmSetting(f"{where('options')} {option}: {first}") from None
+
+
+def unknown_option(option: str, submitit_message: str) -> str:
+    """`not a SLURM parameter submitit knows; did you mean X? accepted: ...`, from submitit's own
+    list of valid names (its NameError's `Valid arguments:`), less those a flag of ours sets."""
+    listed = submitit_message.partition("Valid arguments:")[2].split("\n", 1)[0]
+    accepted = sorted({name.strip() for name in listed.split(",") if name.strip()} - set(RESERVED_OPTIONS))
+    hint = "."
+    for close in difflib.get_close_matches(option, [*accepted, *RESERVED_OPTIONS], n=1):
+        flag = RESERVED_OPTIONS.get(close)
+        hint = f"; did you mean {close}" + (f" (set it with {flag})" if flag else "") + "?"
+    names = ", ".join(accepted) or submitit_message.splitlines()[0]
+    return f"not a SLURM parameter submitit knows{hint} Accepted: {names}"
 
 
 def executor_parameters(settings: SlurmSettings, name: str, max_parallel: int | None) -> dict:

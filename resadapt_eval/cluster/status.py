@@ -58,7 +58,7 @@ def cell_states(run_dir: str | Path, ask_scheduler: bool = True) -> list[CellSta
     markers = {name: read_json(run_dir / name / JOB_FILE) for name in names}
     if any(markers.values()):  # submitted jobs: their states come through submitit (not imported otherwise:
         # its import reconfigures the process's logging, `logging.config.dictConfig`)
-        from .jobs import LOCAL, SLURM, refresh_slurm, scheduler_state
+        from .jobs import LOCAL, SLURM, cell_log, ended_reason, refresh_slurm, scheduler_state
     if ask_scheduler:
         refresh_slurm([m for name, m in markers.items() if m is not None and records[name] is None])
     states = []
@@ -88,6 +88,13 @@ def cell_states(run_dir: str | Path, ask_scheduler: bool = True) -> list[CellSta
                 retry = marker and marker.get("attempt", 1) < marker.get("attempts", 1) and sweep_alive(marker)
                 cell.state = "retrying" if retry else "interrupted" if record.get("interrupted") else FAILED
                 cell.reason, cell.log = record.get("error"), record.get("log")
+        elif marker and marker.get("job_id") is None and marker["executor"] != "local":
+            # held back by the sweep that watches it (--max-parallel): queued while that sweep runs
+            cell.state = "queued" if sweep_alive(marker) else "interrupted"
+            if cell.state == "interrupted":
+                cell.reason = (
+                    "the sweep that held it back (--max-parallel) ended first; run the same sweep command again"
+                )
         elif marker and marker["executor"] == SLURM and not ask_scheduler:
             cell.state = "submitted"
         elif marker:
@@ -104,8 +111,8 @@ def cell_states(run_dir: str | Path, ask_scheduler: bool = True) -> list[CellSta
                 cell.reason = "the sweep that ran it ended before the cell did; run the same sweep command again"
             else:
                 cell.state = FAILED
-                cell.reason = f"job {marker['job_id']} ended (scheduler state {state}) without finishing its cell"
-                cell.log = str(Path(marker["folder"]) / f"{marker['job_id']}_0_log.err")
+                cell.reason = ended_reason(marker, state, run_dir / name)
+                cell.log = cell_log(run_dir / name, marker)
         states.append(cell)
     return states
 
@@ -118,8 +125,10 @@ def _duration(seconds: float | None) -> str:
     return f"{hours}h{rest // 60:02d}m" if hours else f"{rest // 60}m{rest % 60:02d}s"
 
 
-def status_text(run_dir: str | Path, states: list[CellState], width: int = 30) -> str:
-    """The table of cells, a progress bar of complete cells, and why each failed cell failed."""
+def status_text(run_dir: str | Path, states: list[CellState], width: int = 30, verbose: bool = False) -> str:
+    """The table of cells, a progress bar of complete cells, and why each failed, retrying or
+    interrupted cell stopped (its reason's first line and its log; `verbose`: the reason's last
+    lines and the log's last lines too)."""
     head = ["cell", "method", "R", "frames", "tasks", "backbone", "state", "job", "attempt", "wall", "failed samples"]
     rows = []
     for s in states:
@@ -147,19 +156,37 @@ def status_text(run_dir: str | Path, states: list[CellState], width: int = 30) -
     lines.append(f"complete [{'#' * filled}{'.' * (width - filled)}] {complete}/{len(states)} ({summary})")
     for s in states:
         if s.state in (FAILED, "retrying", "interrupted") and s.reason:
-            reason = "\n    ".join(s.reason.strip().splitlines()[-6:])
-            lines.append(f"{s.name} ({s.state}): {reason}" + (f"\n    log: {s.log}" if s.log else ""))
+            reason = s.reason.strip().splitlines()
+            shown = reason[:1] + (reason[1:][-5:] if verbose else [])
+            lines.append(f"{s.name} ({s.state}): " + "\n    ".join(shown) + (f"\n    log: {s.log}" if s.log else ""))
+            if verbose and s.log:
+                lines += [f"    | {line}" for line in log_tail(s.log)]
     return "\n".join(lines)
 
 
-def show_status(run_dir: str | Path, watch_s: float | None = None, echo=print) -> int:
+def log_tail(path: str, lines: int = 15) -> list[str]:
+    """The last `lines` lines of a log, or why there are none."""
+    log = Path(path)
+    if not log.is_file():
+        return ["(the log does not exist)"]
+    text = log.read_text(errors="replace").rstrip().splitlines()
+    return text[-lines:] or ["(the log is empty)"]
+
+
+def exit_code(states: list[CellState]) -> int:
+    """`sweep-status`'s exit code: 1 while any cell has failed for good or was interrupted (neither
+    will change by waiting), else 0 (complete, or still queued, running or retrying)."""
+    return 1 if any(s.state in (FAILED, "interrupted") for s in states) else 0
+
+
+def show_status(run_dir: str | Path, watch_s: float | None = None, verbose: bool = False, echo=print) -> int:
     """Print the status (every `watch_s` seconds until no cell is queued, running or retrying);
-    1 while any cell has failed for good, else 0."""
+    returns `exit_code`."""
     while True:
         states = cell_states(run_dir)
         if watch_s is not None and sys.stdout.isatty():
             echo("\033[2J\033[H", end="")
-        echo(status_text(run_dir, states))
+        echo(status_text(run_dir, states, verbose=verbose))
         if watch_s is None or not any(s.state in ACTIVE for s in states):
-            return 1 if any(s.state == FAILED for s in states) else 0
+            return exit_code(states)
         time.sleep(watch_s)

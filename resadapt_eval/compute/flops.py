@@ -87,6 +87,7 @@ class TextDims:
     qkv_bias: bool = False
     o_bias: bool = False
     qk_norm: bool = False
+    context: int | None = None  # max_position_embeddings: the longest sequence, in tokens (None: not stated)
 
 
 @dataclass(frozen=True)
@@ -141,6 +142,7 @@ def dims_from_config(config) -> BackboneDims:
             kv_heads=text["num_key_value_heads"],
             head_dim=text.get("head_dim") or text["hidden_size"] // heads,
             vocab=text["vocab_size"],
+            context=text.get("max_position_embeddings"),
             tied=tied,
             qkv_bias=qwen25 or attention_bias,
             o_bias=not qwen25 and attention_bias,

@@ -21,8 +21,8 @@ from loguru import logger
 from tqdm import tqdm
 
 from ..allocator import (
-    backbone_differences,
     budget_source,
+    check_backbone,
     training_backbone,
     training_budget,
 )
@@ -90,11 +90,11 @@ class ResAdaptQwen(lmms):
             device = f"cuda:{self.accelerator.local_process_index}"  # one GPU per process
         spec = RunSpec.resolve(config)  # the settings resolved once; everything below receives the spec
         self.method, self.strict = spec.method.name, spec.strict
-        differences = backbone_differences(spec.allocator, self.backbone_family(), str(pretrained))
+        differences = check_backbone(spec.allocator, self.backbone_family(), str(pretrained), spec.allocator_transfer)
         if differences:
             logger.warning(
                 f"the Allocator {spec.allocator} was trained with another backbone: {'; '.join(differences)}; "
-                "its scales were learned for that backbone's answers"
+                "running it on this one on purpose (allocator_transfer=true)"
             )
         backbone = self._build_backbone(
             str(pretrained), spec, device=device, dtype=dtype, attn_implementation=_none_or(attn_implementation, str)
