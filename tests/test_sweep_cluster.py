@@ -125,12 +125,16 @@ def test_slurm_local_runs_each_cell_as_its_own_process_and_resumes_only_a_killed
     sweep = subprocess.Popen(sweep_cmd(out, *SLURM_LOCAL), cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     victim = CELLS[0]
     wait_for(lambda: lmms_eval_processes(out / victim), 300, f"{victim}'s lmms-eval run")
+    # --max-parallel 2: the two cells after the first two are held back by the sweep, and show queued
+    held = status_rows(status(out, capsys).stdout)
+    assert [held[name][6] for name in CELLS[2:]] == ["queued", "queued"], held
     job_process = json.loads((out / victim / "started.json").read_text())["pid"]
     assert job_process != sweep.pid
     os.kill(job_process, signal.SIGKILL)
     stdout, stderr = (text.decode() for text in sweep.communicate(timeout=600))
     assert sweep.returncode == 1, stdout[-3000:] + stderr[-3000:]
-    assert f"failed cell {victim}" in stdout
+    log = out / victim / "lmms_eval.log"
+    assert f"failed cell {victim} (see {victim}/cell.json and {log})" in stdout
 
     shown = status(out, capsys)
     assert shown.returncode == 1  # a cell has failed for good (--retries 0)
@@ -139,9 +143,22 @@ def test_slurm_local_runs_each_cell_as_its_own_process_and_resumes_only_a_killed
     assert {name: row[6] for name, row in rows.items()} == {n: "failed" if n == victim else "complete" for n in CELLS}
     assert "] 3/4 (3 complete, 1 failed)" in shown.stdout
     killed = json.loads((out / victim / "cell.json").read_text())
-    assert killed["status"] == "failed" and "without finishing its cell" in killed["error"]
-    assert killed["log"].endswith("_0_log.err") and Path(killed["log"]).is_file()
+    reason = killed["error"].splitlines()[0]
+    assert killed["status"] == "failed" and "was killed by a signal: its process" in reason
+    assert f"{victim} (failed): job {killed['job']['job_id']} was killed by a signal" in shown.stdout
+    assert killed["log"] == str(log) and log.is_file() and log.stat().st_size > 0  # the cell's own log
+    assert f"    log: {log}" in shown.stdout
+    # the guard's last line there says which process ended, and --verbose shows it
+    last = log.read_text().strip().splitlines()[-1]
+    assert f"process {job_process} ended; ended the cell's process group" in last
+    verbose = in_process(capsys, "sweep-status", str(out), "--verbose")
+    assert verbose.returncode == 1 and f"    | {last}" in verbose.stdout
     assert lmms_eval_processes(out / victim) == []  # its lmms-eval run ended with its job
+    # tables list it as missing, with the whole first line of why
+    tables = in_process(capsys, "tables", str(out), "--out", str(tmp_path / "tables"))
+    job_id = killed["job"]["job_id"]
+    missing = f"- {victim} (fixed_scale, R=0.5, 8 frames): failed, job {job_id}: {reason} (log: {log})"
+    assert missing in tables.stdout.splitlines()
 
     finished = {name: (out / name / "cell.json").stat().st_mtime for name in CELLS if name != victim}
     rerun = run(sweep_cmd(out, *SLURM_LOCAL))
@@ -183,20 +200,29 @@ def test_an_interrupted_or_killed_sweep_leaves_no_lmms_eval_process(fixtures_dir
         sweep_cmd(out, *extra, grid=grid),
         cwd=REPO,
         stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,  # a terminal's foreground group of its own: Ctrl-C reaches all of it
         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     (cell,) = wait_for(lambda: lmms_eval_processes(out), 300, "the cell's lmms-eval run")
     assert os.getpgid(cell) == cell != os.getpgid(sweep.pid)  # the leader of its own process group
-    sweep.send_signal(sig)
-    sweep.wait(timeout=60)
+    if sig == signal.SIGINT:  # Ctrl-C in a terminal: every process of the sweep's group gets it
+        os.killpg(sweep.pid, sig)
+    else:
+        sweep.send_signal(sig)
+    _, stderr = sweep.communicate(timeout=60)
     assert sweep.returncode == (130 if sig == signal.SIGINT else -signal.SIGKILL)
+    if sig == signal.SIGINT:  # one line, and no job controller's traceback
+        assert stderr.strip().splitlines() == [
+            f"sweep: interrupted; the cells it ran were ended. Run the same command to resume: {out}"
+        ], stderr
     wait_for(lambda: not processes_under(out), 30, "no process of the sweep left (lmms-eval, guard, submitit job)")
     with pytest.raises(ProcessLookupError):
         os.killpg(cell, 0)  # nothing left in its group either
     shown = status(out, capsys)
     assert status_rows(shown.stdout)["fixed_scale-r0.5-f8"][6] == "interrupted", shown.stdout
-    assert shown.returncode == 0  # interrupted is not failed: the same command resumes it
+    assert shown.returncode == 1  # interrupted will not change by waiting: the same command resumes it
 
 
 def missing_videos_card(fixtures_dir: Path, folder: Path) -> Path:
@@ -289,7 +315,7 @@ def test_the_local_executor_retries_a_failing_cell(fixtures_dir, tmp_path):
 
 def test_sweep_status_watch_refreshes_until_no_cell_runs(sequential, tmp_path, capsys):
     """A cell whose sweep is still running shows `running`; `--watch` refreshes until that sweep has
-    ended (the cell is then `interrupted`) and exits 0: no cell failed."""
+    ended (the cell is then `interrupted`) and exits 1, as for a failed cell: waiting will not change it."""
     import shutil
 
     run_dir = tmp_path / "run"
@@ -300,7 +326,7 @@ def test_sweep_status_watch_refreshes_until_no_cell_runs(sequential, tmp_path, c
     marker = json.loads((cell / "submitted.json").read_text())
     marker["sweep"] = {"pid": sweep.pid, "host": marker["sweep"]["host"]}
     (cell / "submitted.json").write_text(json.dumps(marker))
-    assert main(["sweep-status", str(run_dir), "--watch", "0.5"]) == 0
+    assert main(["sweep-status", str(run_dir), "--watch", "0.5"]) == 1
     sweep.wait()
     printed = capsys.readouterr().out
     frames = printed.split(f"sweep {run_dir}: 4 cells")[1:]
@@ -311,12 +337,36 @@ def test_sweep_status_watch_refreshes_until_no_cell_runs(sequential, tmp_path, c
     assert "] 3/4 (3 complete, 1 interrupted)" in frames[-1]
 
 
+def test_slurm_local_warns_once_about_each_slurm_only_setting_it_cannot_check(sequential, tmp_path, capsys):
+    import shutil
+
+    out = tmp_path / "run"
+    shutil.copytree(sequential, out)  # every cell complete: nothing runs
+    settings = ["--slurm-partition", "gpu", "--slurm-account", "lab", "--slurm-qos", "high"]
+    settings += ["--slurm-option", "constraint=a100", "--slurm-gpus-per-node", "1"]
+    shown = in_process(capsys, "sweep", "--card", str(CARD), *GRID, "--output", str(out), *SLURM_LOCAL, *settings)
+    assert shown.returncode == 0, shown.stderr
+    warnings = [line for line in shown.stdout.splitlines() if line.startswith("warning: ")]
+    assert warnings == [
+        f"warning: {flag} (card slurm.{key}) {value}: SLURM only; --slurm-local neither checks nor applies it"
+        for flag, key, value in (
+            ("--slurm-partition", "partition", "gpu"),
+            ("--slurm-account", "account", "lab"),
+            ("--slurm-qos", "qos", "high"),
+            ("--slurm-option", "options", "constraint=a100"),
+        )
+    ]
+    assert "4 cells, 4 already done, 0 still running, 0 to submit" in shown.stdout
+
+
 @pytest.mark.parametrize(
     "flags, named",
     [
         (
             ["--slurm-option", "partiton=gpu"],
-            "--slurm-option (card slurm.options) partiton: Unknown argument 'partiton'",
+            "--slurm-option (card slurm.options) partiton: not a SLURM parameter submitit knows; did you mean "
+            "partition (set it with --slurm-partition)? Accepted: comment, constraint, cpus_per_gpu, dependency, "
+            "exclude,",
         ),
         (
             ["--slurm-gpus-per-node", "-1"],
@@ -350,9 +400,10 @@ def test_a_bad_slurm_setting_in_the_card_names_its_key(fixtures_dir, tmp_path, c
     argv = ["sweep", "--card", str(path), *GRID, "--output", str(tmp_path / "run"), "--executor", "slurm"]
     assert main(argv + ["--slurm-local"]) == 2
     assert "--slurm-mem-gb (card slurm.mem_gb) must be a positive number of GB, got -4" in capsys.readouterr().err
-    path.write_text(yaml.safe_dump({**card, "slurm": {"gpus": 8}}))
+    path.write_text(yaml.safe_dump({**card, "slurm": {"gpus_per_nod": 8}}))
     assert main(argv + ["--slurm-local"]) == 2
-    assert "slurm takes a mapping of SLURM settings with keys" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert f"{path}: slurm.gpus_per_nod is not a SLURM setting; did you mean gpus_per_node?" in err
     # slurm flags without --executor slurm are refused, naming the first
     assert main(["sweep", "--card", str(CARD), *GRID, "--output", str(tmp_path / "run"), "--slurm-qos", "high"]) == 2
     assert "--slurm-qos applies to --executor slurm" in capsys.readouterr().err
@@ -458,8 +509,112 @@ def test_an_unknown_partition_stops_before_sbatch_runs_and_a_refused_submission_
         "--slurm-partition (card slurm.partition) 'gpux': the cluster has no such partition (sinfo lists cpu, gpu)"
         in err
     )
-    assert not list(stub_slurm.glob("batch_*.sh")) and not list(out.glob("*/submitted.json"))
+    assert not list(stub_slurm.glob("batch_*.sh")) and not out.exists()
     assert main(argv + ["--slurm-partition", "gpu", "--slurm-account", "nope"]) == 2
     err = capsys.readouterr().err
     assert f"sweep: the scheduler refused {', '.join(CELLS)}: sbatch: error: Invalid account" in err
-    assert not list(stub_slurm.glob("batch_*.sh")) and not list(out.glob("*/submitted.json"))
+    assert not list(stub_slurm.glob("batch_*.sh")) and not out.exists()  # a refused sweep leaves no folder
+
+
+# --- docs/cluster.md, command by command, against the stub scheduler ---------------------------
+
+CLUSTER_DOC = REPO / "docs" / "cluster.md"
+CHECKOUT = "/shared/resadapt-eval"  # the page's stand-in for the checkout the compute nodes see
+
+
+def doc_blocks(page: Path) -> list[tuple[str, str]]:
+    """(info string, text) of every fenced code block of a Markdown page."""
+    blocks, lines, fence = [], page.read_text().splitlines(), None
+    for line in lines:
+        if fence is None and line.startswith("```"):
+            fence, body = line[3:].strip(), []
+        elif fence is not None and line.startswith("```"):
+            blocks.append((fence, "\n".join(body)))
+            fence = None
+        elif fence is not None:
+            body.append(line)
+    return blocks
+
+
+def shell_commands(script: str) -> list[str]:
+    """A bash block's commands: continuation lines joined, a `for ... done` loop kept whole."""
+    commands, current = [], ""
+    for line in script.replace("\\\n", " ").splitlines():
+        current = f"{current}\n{line}" if current else line
+        opened = current.lstrip().startswith(("for ", "while "))
+        if not opened or line.strip() == "done":
+            commands.append(current.strip())
+            current = ""
+    return [c for c in commands if c]
+
+
+def test_every_command_of_the_cluster_page_runs_as_written_up_to_submission(stub_slurm):
+    """Each command of docs/cluster.md, run as the page writes it (its checkout path standing for
+    this one): the paper grid's two sweeps submit their job arrays to the stub sbatch, sweep-status
+    follows them, tables and plots list every cell as missing, and the `flops` block prints what the
+    page shows."""
+    work = stub_slurm / "checkout"
+    work.mkdir()
+    for name in (".venv", "model_cards", "configs", "tasks", "results"):
+        (work / name).symlink_to(REPO / name)
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1"}
+    env["PATH"] = f"{stub_slurm / 'bin'}{os.pathsep}{REPO / '.venv' / 'bin'}{os.pathsep}{env['PATH']}"
+    blocks = doc_blocks(CLUSTER_DOC)
+    scripts = [text for info, text in blocks if info == "bash"]
+    printed = [text for info, text in blocks if text.startswith("$ ")]
+    assert scripts and printed
+    ran = []
+    for script in scripts:
+        for command in shell_commands(script):
+            if command.startswith("cd "):
+                assert command.split("#")[0].strip() == f"cd {CHECKOUT}", command
+                continue
+            watch = "--watch" in command
+            if watch:  # refreshes while the jobs run: one screen of it is enough here
+                jobs = sorted({m["job_id"] for m in map(json.loads, map(Path.read_text, work.rglob("submitted.json")))})
+                (stub_slurm / "sacct.txt").write_text("".join(f"{job}|RUNNING|node1\n" for job in jobs))
+            try:
+                proc = subprocess.run(
+                    ["bash", "-c", command],
+                    cwd=work,
+                    env=env,
+                    capture_output=True,
+                    text=True,
+                    timeout=20 if watch else 600,
+                )
+            except subprocess.TimeoutExpired as expired:
+                assert watch, command
+                shown = expired.stdout.decode() if isinstance(expired.stdout, bytes) else expired.stdout
+                assert "26 cells" in shown and "| running |" in shown, shown[-2000:]
+                ran.append("sweep-status --watch")
+                continue
+            ran.append(command)
+            if " sweep " in command:
+                assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+                assert proc.stdout.count("job ids: ") == 2 and "26 to submit" in proc.stdout
+            elif command.startswith("resadapt-eval sweep-status"):  # every job running (the stub's sacct)
+                assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+                assert "26 cells" in proc.stdout and status_rows(proc.stdout)["vanilla-f32"][6] == "running"
+            elif command.startswith(("resadapt-eval tables", "resadapt-eval plots")):
+                assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]  # no cell has finished
+                assert (
+                    "Missing cells (52; not complete" in proc.stdout and "no finished cells" in proc.stderr
+                )  # both cards
+            else:
+                raise AssertionError(f"a command of {CLUSTER_DOC} this test does not know: {command}")
+    for card in ("paper-qwen25vl-7b", "paper-qwen3vl-8b"):
+        markers = list((work / "runs" / "paper-main" / card).glob("*/submitted.json"))
+        assert len(markers) == 26
+        resadapt = json.loads(
+            (work / "runs" / "paper-main" / card / "resadapt-r0.25-f32" / "submitted.json").read_text()
+        )
+        assert resadapt["executor"] == "slurm"
+    scripts_written = sorted(stub_slurm.glob("batch_*.sh"))
+    assert len(scripts_written) == 2 and all("#SBATCH --array=0-25%8" in s.read_text() for s in scripts_written)
+    assert "sweep-status --watch" in ran
+    for block in printed:
+        command, *shown = block.splitlines()
+        proc = subprocess.run(["bash", "-c", command[2:]], cwd=work, env=env, capture_output=True, text=True)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        table = proc.stdout.splitlines()[-len(shown) :]  # the page shows the table, not the line above it
+        assert [line.split() for line in table] == [line.split() for line in shown], command

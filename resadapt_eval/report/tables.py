@@ -173,7 +173,8 @@ def to_markdown(table: Table, with_paper: bool = False) -> str:
 
 
 def missing_markdown(missing: list) -> str:
-    """The cells not complete, one line each: grid point, state, job and the first line of why."""
+    """The cells not complete, one line each: grid point, state, job, the whole first line of why
+    and the cell's log."""
     lines = [f"Missing cells ({len(missing)}; not complete, never shown as a score):"]
     for m in missing:
         point = ", ".join(
@@ -187,7 +188,8 @@ def missing_markdown(missing: list) -> str:
         )
         job = f", job {m.job_id}" if m.job_id else ""
         why = f": {m.reason.strip().splitlines()[0]}" if m.reason else ""
-        lines.append(f"- {m.name} ({point or 'unknown cell'}): {m.state}{job}{why}")
+        log = f" (log: {m.log})" if m.log else ""
+        lines.append(f"- {m.name} ({point or 'unknown cell'}): {m.state}{job}{why}{log}")
     return "\n".join(lines) + "\n"
 
 

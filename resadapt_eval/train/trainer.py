@@ -370,7 +370,7 @@ class AllocatorTrainer:
             if budget is not None:  # the budget the Allocator was trained under, keyed as model_args
                 write_json(folder / "allocator" / BUDGET_FILE, budget)
             identity = self.engine.backbone_identity()
-            if identity is not None:  # the backbone it was trained with: evaluation warns when another runs it
+            if identity is not None:  # its backbone: evaluation on another stops unless allocator_transfer=true
                 write_json(folder / "allocator" / BACKBONE_FILE, identity)
             # No RNG state: every prompt's randomness is re-derived from (seed, step, index).
             state = dict(step=self.step, optimizer=self.optimizer.state_dict(), config=asdict(self.config))
