@@ -546,3 +546,37 @@ def test_a_videomme_row_with_null_options_fails_that_sample_and_the_run_goes_on(
     assert [len(results["samples"]["careful_videomme"])] == [3]
     manifest = json.loads(model.manifest_path.read_text())
     assert (manifest["samples"], manifest["failed_samples"]) == (3, 1)
+
+
+def test_a_report_of_a_folder_that_does_not_exist_says_so(tmp_path, capsys):
+    from resadapt_eval.cli import main
+
+    for command in ("tables", "plots"):
+        assert main([command, str(tmp_path / "no-such-sweep")]) == 2
+        assert capsys.readouterr().err.strip() == f"{command}: {tmp_path / 'no-such-sweep'} does not exist"
+
+
+def test_flops_beyond_the_context_length_says_so(capsys):
+    """Qwen2.5-VL-7B takes 128,000 tokens (max_position_embeddings): 512 frames of 896x672 are 196,608
+    visual tokens at 768 a pair, so that row counts a sequence no run can have, and says so."""
+    from resadapt_eval.cli import main
+
+    argv = ["flops", "--backbone", "qwen25vl-7b", "--frames", "32,512", "--methods", "vanilla"]
+    assert main(argv) == 0
+    notes = [line for line in capsys.readouterr().out.splitlines() if line.startswith("note: ")]
+    assert notes == [
+        "note: at 512 frames vanilla's sequence is 196632 tokens (visual, text and output), beyond qwen25vl-7b's "
+        "context length of 128000 tokens (max_position_embeddings): the model cannot take it, and its rows count "
+        "a sequence no run can have"
+    ]
+
+
+def test_how_a_process_ended_reads_as_a_person_would_say_it():
+    import signal
+
+    from resadapt_eval.guard import exit_description
+
+    assert exit_description(-signal.SIGKILL) == "was killed by SIGKILL (exit code -9)"
+    assert exit_description(128 + signal.SIGKILL) == "was killed by SIGKILL (exit code 137)"
+    assert exit_description(128 + signal.SIGSEGV) == "was killed by SIGSEGV (exit code 139)"
+    assert exit_description(1) == "exited with exit code 1"

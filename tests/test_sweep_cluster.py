@@ -483,8 +483,13 @@ def test_slurm_submits_a_job_array_returns_and_resubmits_only_cells_neither_comp
     states = {"4242_0": "RUNNING", "4242_1": "PENDING", "4242_2": "NODE_FAIL", "4242_3": "CANCELLED by 0"}
     (stub_slurm / "sacct.txt").write_text("".join(f"{job}|{state}|node1\n" for job, state in states.items()))
     assert main(["sweep-status", str(out)]) == 1
-    rows = status_rows(capsys.readouterr().out)
+    shown = capsys.readouterr().out
+    rows = status_rows(shown)
     assert [rows[name][6] for name in CELLS] == ["running", "queued", "failed", "failed"]
+    # a job that died says how, in the scheduler's words, and where its log is
+    assert f"{CELLS[2]} (failed): job 4242_2 lost its node (node failure) (SLURM state NODE_FAIL)" in shown
+    assert f"{CELLS[3]} (failed): job 4242_3 was cancelled (scancel, or the cluster's administrators)" in shown
+    assert f"    log: {out / '.submitit' / '4242_2_0_log.err'}" in shown  # the job's: no lmms_eval.log was written
     assert main(argv + settings) == 0
     printed = capsys.readouterr().out
     assert "4 cells, 0 already done, 2 still running, 2 to submit" in printed
