@@ -468,8 +468,14 @@ def compressor_kernels():
         to_video, to_frame = vidcom2.similarities(channels, [0, 16, 32, 48], [16] * 4)
         return to_video, to_frame, vidcom2.frame_weights(to_video, [0, 16, 32, 48], [16] * 4)
 
+    def divprune_greedy(feats, attention):  # the whole greedy runs on fake tensors: it never reads a value back
+        pair_of = torch.arange(4, device=feats.device).repeat_interleave(16)
+        index = torch.tensor([3], device=feats.device)
+        nearest, row = divprune.nearest_neighbour_distance(feats), divprune.cosine_distance_to(feats, index)
+        return divprune.max_min_greedy(feats, pair_of, 4, 10), divprune.distance_matrix(feats), nearest, row
+
     return [
-        ("divprune", lambda f, a: (divprune.nearest_neighbour_distance(f), divprune.cosine_distance_to(f, 3)), CUDA),
+        ("divprune", divprune_greedy, CUDA),
         ("density_peaks", lambda f, a: common.density_peaks(f, 5, 4), CUDA),
         ("prunevid.dpc_knn", lambda f, a: (prunevid.dpc_knn(f, 5),), CUDA),
         ("flashvid.dpc_knn", lambda f, a: flashvid.dpc_knn(f, 5), CPU),  # returns its clusters to the CPU loop

@@ -85,3 +85,20 @@ def test_budget_pairs_and_identity():
             assert all(any(s <= i < s + size for i in chosen) for s, size in zip(starts, sizes))
             assert torch.equal(assignment, compress(tokens, keep).assignment)  # deterministic
         assert torch.equal(compress(tokens, n).assignment, torch.arange(n))
+
+
+def test_the_greedy_picks_the_same_tokens_with_or_without_the_distance_matrix(monkeypatch):
+    """Above `DISTANCE_MATRIX_BYTES` each pick's row is computed from the features instead of read from the
+    held N x N matrix: the same picks, in the same order."""
+    from resadapt_eval.baselines import divprune
+
+    g = torch.Generator().manual_seed(5)
+    feats = torch.nn.functional.normalize(torch.randn(90, 24, generator=g), dim=-1)
+    pair_of = torch.arange(6).repeat_interleave(15)
+    assert divprune.holds_distance_matrix(90)
+    held = divprune.max_min_greedy(feats, pair_of, 6, 30)
+    monkeypatch.setattr(divprune, "DISTANCE_MATRIX_BYTES", 90 * 90 * 4 - 1)
+    monkeypatch.setattr(divprune, "ROW_CHUNK", 7)  # the first pick's nearest neighbours in blocks
+    assert not divprune.holds_distance_matrix(90)
+    assert divprune.max_min_greedy(feats, pair_of, 6, 30).tolist() == held.tolist()
+    assert len(set(held.tolist())) == 30 and set(pair_of[held].tolist()) == set(range(6))

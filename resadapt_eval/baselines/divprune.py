@@ -19,8 +19,17 @@ Deviations from the reference:
   token when every remaining token duplicates a kept one, keeping fewer distinct tokens.
 - The first pick's nearest-neighbour distance excludes the token itself explicitly (the reference takes
   the second smallest entry of each distance-matrix column: the same up to rounding); distances are in
-  float32 and the N x N matrix is never held (a min-distance vector is updated after each pick).
+  float32.
 - Ties go to the lowest token index (torch.argmax's first maximum, as in the reference).
+
+Cost, as the reference's (llava_arch.py:147-171): one N x N distance matrix (N^2 D multiply-adds, N^2
+floats held; the reference's in the features' dtype, ours float32), then `keep` greedy steps of O(N)
+each on the device, with one host sync at the end (the reference: none inside its loop either). Where
+N^2 float32 distances exceed `DISTANCE_MATRIX_BYTES` (N > 16,384: more than 21 pairs of 768 tokens)
+the matrix is not held: each step computes its picked token's row from the features (N D
+multiply-adds, memory-bound), the first pick's nearest neighbours in blocks of `ROW_CHUNK` rows, so
+the memory stays O(N D) while the reference's N^2 (4.8 GB in float16 at 128 frames of Qwen2.5-VL-7B)
+would not fit that budget.
 """
 
 from __future__ import annotations
@@ -30,16 +39,24 @@ import torch.nn.functional as F
 
 from .common import DROPPED, Compression, VisualTokens, check_keep
 
-ROW_CHUNK = 4096  # rows of the distance matrix held at once for the first pick
+ROW_CHUNK = 4096  # rows of the distance matrix computed at once for the first pick, when it is not held
+DISTANCE_MATRIX_BYTES = 1 << 30  # the N x N float32 distances are held when they fit in 1 GiB (N <= 16,384)
 
 
-def cosine_distance_to(feats: torch.Tensor, i: int) -> torch.Tensor:
-    """1 - cos(x_j, x_i) for every row j of the unit-norm `feats` (N, D); (N,)."""
-    return 1 - feats @ feats[i]
+def holds_distance_matrix(n: int) -> bool:
+    """Whether the N x N float32 distance matrix of `n` tokens fits `DISTANCE_MATRIX_BYTES`."""
+    return n * n * 4 <= DISTANCE_MATRIX_BYTES
+
+
+def cosine_distance_to(feats: torch.Tensor, i: torch.Tensor) -> torch.Tensor:
+    """1 - cos(x_j, x_i) for every row j of the unit-norm `feats` (N, D), `i` a one-element index
+    tensor (no host sync); (N,)."""
+    return 1 - feats @ feats.index_select(0, i)[0]
 
 
 def nearest_neighbour_distance(feats: torch.Tensor) -> torch.Tensor:
-    """min over j != i of 1 - cos(x_i, x_j) for every row i of the unit-norm `feats` (N, D); (N,)."""
+    """min over j != i of 1 - cos(x_i, x_j) for every row i of the unit-norm `feats` (N, D), in
+    blocks of ROW_CHUNK rows; (N,)."""
     n = feats.shape[0]
     out = torch.empty(n, device=feats.device)
     for start in range(0, n, ROW_CHUNK):
@@ -50,27 +67,39 @@ def nearest_neighbour_distance(feats: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def max_min_greedy(feats: torch.Tensor, pair_of: torch.Tensor, keep: int) -> list[int]:
-    """`keep` row indices of the unit-norm `feats` (N, D), in pick order: first the token farthest
-    from its nearest neighbour, then the one farthest from its nearest picked token; `pair_of` (N,)
-    restricts the last picks to pairs with none yet, so every pair gets at least one."""
-    num_pairs = int(pair_of.max()) + 1
-    score = nearest_neighbour_distance(feats)
-    picked = torch.zeros(feats.shape[0], dtype=torch.bool, device=feats.device)
-    covered = torch.zeros(num_pairs, dtype=torch.bool, device=feats.device)
-    chosen: list[int] = []
-    pairs_covered: set[int] = set()
-    while len(chosen) < keep:
-        candidates = score.masked_fill(picked, -torch.inf)
-        if keep - len(chosen) == num_pairs - len(pairs_covered):
-            candidates = candidates.masked_fill(covered[pair_of], -torch.inf)
-        i = int(candidates.argmax())
-        chosen.append(i)
-        picked[i] = True
-        covered[pair_of[i]] = True
-        pairs_covered.add(int(pair_of[i]))
-        distance = cosine_distance_to(feats, i)
-        score = distance if len(chosen) == 1 else torch.minimum(score, distance)
+def distance_matrix(feats: torch.Tensor) -> torch.Tensor:
+    """1 - cos between every two rows of the unit-norm `feats` (N, D), a token's distance to itself
+    set to inf (so a column's minimum is its nearest other token); (N, N) float32."""
+    distances = feats @ feats.T
+    distances.neg_().add_(1).fill_diagonal_(torch.inf)
+    return distances
+
+
+def max_min_greedy(feats: torch.Tensor, pair_of: torch.Tensor, num_pairs: int, keep: int) -> torch.Tensor:
+    """`keep` row indices of the unit-norm `feats` (N, D), in pick order, on their device: first the
+    token farthest from its nearest neighbour, then the one farthest from its nearest picked token;
+    `pair_of` (N,) restricts the last picks to pairs with none yet, so every pair gets at least one.
+    No host sync: every step's choice stays a device tensor."""
+    device = feats.device
+    distances = distance_matrix(feats) if holds_distance_matrix(feats.shape[0]) else None
+
+    def distances_to(i: torch.Tensor) -> torch.Tensor:  # the picked token's row: (N,)
+        return distances.index_select(0, i)[0] if distances is not None else cosine_distance_to(feats, i)
+
+    score = distances.min(dim=0).values if distances is not None else nearest_neighbour_distance(feats)
+    picked = torch.zeros(feats.shape[0], dtype=torch.bool, device=device)
+    covered = torch.zeros(num_pairs, dtype=torch.bool, device=device)
+    chosen = torch.empty(keep, dtype=torch.long, device=device)
+    for step in range(keep):
+        # once the picks left equal the pairs without a kept token, only those pairs' tokens compete
+        only_uncovered = (num_pairs - covered.sum()) == keep - step
+        candidates = score.masked_fill(picked | (covered[pair_of] & only_uncovered), -torch.inf)
+        i = candidates.argmax().view(1)
+        chosen[step : step + 1] = i
+        picked.index_fill_(0, i, True)
+        covered.index_fill_(0, pair_of.index_select(0, i), True)
+        row = distances_to(i)
+        score = row if step == 0 else torch.minimum(score, row)
     return chosen
 
 
@@ -83,8 +112,7 @@ def compress(tokens: VisualTokens, keep: int, seed: int = 0) -> Compression:
     feats = F.normalize(tokens.features.float(), dim=-1)
     pairs = torch.arange(len(tokens.pair_sizes), device=feats.device)
     pair_of = torch.repeat_interleave(pairs, torch.tensor(tokens.pair_sizes, device=feats.device))
-    # the picks are Python ints (one argmax per step): the assignment is index bookkeeping on the CPU
-    chosen = torch.tensor(max_min_greedy(feats, pair_of, keep), dtype=torch.long)  # cpu: the picks, Python ints
+    chosen = max_min_greedy(feats, pair_of, len(tokens.pair_sizes), keep).cpu()  # the one host sync
     assignment = torch.full((n,), DROPPED, dtype=torch.long)  # cpu: a CPU Compression, moved by merge_groups
     assignment[chosen] = chosen
     return Compression(assignment)

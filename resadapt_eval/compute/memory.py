@@ -186,9 +186,11 @@ def tome_bytes(sizes: list[int], width: int, b: int) -> int:
 
 
 def divprune_bytes(sizes: list[int], width: int, b: int) -> int:
-    """Unit float32 rows of every token, and a ROW_CHUNK x N chunk of distances (and 1 - it)."""
+    """Unit float32 rows of every token, and the N x N float32 distances where they fit
+    `divprune.DISTANCE_MATRIX_BYTES`, else a ROW_CHUNK x N chunk of them (and 1 - it)."""
     n = sum(sizes)
-    return promoted(n, width, b) + n * width * F32 + 2 * min(divprune.ROW_CHUNK, n) * n * F32
+    distances = n * n * F32 if divprune.holds_distance_matrix(n) else 2 * min(divprune.ROW_CHUNK, n) * n * F32
+    return promoted(n, width, b) + n * width * F32 + distances
 
 
 def vidcom2_bytes(sizes: list[int], width: int, b: int) -> int:
