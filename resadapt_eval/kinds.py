@@ -8,7 +8,8 @@ schedule, ...) and defaults. A kind owns
   input is built;
 - its input building: the engine's request for a planned video (`build`);
 - its checks: a method declaration of this kind (`check`), an engine that cannot run it
-  (`check_engine`), settings the LLM's depth already rules out (`check_llm`);
+  (`check_engine`), settings the LLM's depth already rules out (`check_llm`), a retention below
+  the lowest R any video reaches (`retention_floor`, checked by `check_retention`);
 - what the serving engine is built with for it (`engine_args`) and the FLOPs of the method's own
   work (`own_flops`).
 `pipeline.VideoPipeline`, `record.build_record`, `compute.flops`, the config-only rows
@@ -27,6 +28,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from dataclasses import dataclass
+from decimal import ROUND_CEILING, Decimal
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -34,7 +36,7 @@ import numpy as np
 from .baselines.common import kept_count
 from .baselines.inside_llm import entering_tokens, layer_counts
 from .budget import policies
-from .budget.plan import InfeasibleBudget, ResizePlan
+from .budget.plan import InfeasibleBudget, ResizePlan, pair_frames
 from .budget.tokens import TokenBudget, engine_kept_tokens
 from .compute.flops import ENGINE_PRUNING, SIMILARITY, BackboneDims, recomputed_attention, similarity_width
 from .measure.clock import peak_memory_mb, reset_peak_memory
@@ -70,6 +72,30 @@ class FrameScales:
     reference: int | None = None
     candidates: int | None = None
     projection_s: float = 0.0
+
+
+@dataclass(frozen=True)
+class RetentionFloor:
+    """The lowest R any video reaches under a run's settings, from configs alone
+    (`MethodKind.retention_floor`): value; keeps: what the method keeps of every video, in words;
+    detail: the numbers that give the value."""
+
+    value: float
+    keeps: str
+    detail: str
+
+
+def tokens(count: int) -> str:
+    """`token` or `tokens`, for `count` of them."""
+    return "token" if count == 1 else "tokens"
+
+
+def rounded_up(value: float, digits: int = 4) -> str:
+    """`value` rounded up to `digits` significant digits, as text: the least such number at or above
+    it (a retention given as printed is never below `value`)."""
+    exact = Decimal(value)
+    shown = exact.quantize(Decimal(1).scaleb(exact.adjusted() - digits + 1), rounding=ROUND_CEILING)
+    return f"{float(shown):g}"
 
 
 @dataclass(frozen=True)
@@ -122,6 +148,35 @@ class MethodKind:
 
     def check_llm(self, spec: RunSpec, dims: BackboneDims) -> None:
         """Stop at start on settings the LLM's depth already rules out (nothing, for most kinds)."""
+
+    def check_retention(self, spec: RunSpec, planner: Planner, dims: BackboneDims | None) -> None:
+        """Stop at start on a retention below `retention_floor`: no video can reach it, so it would
+        fail every sample. A target above the floor that a given video cannot reach (a short or
+        small one) still fails that sample alone (`InfeasibleBudget`)."""
+        if spec.retention is None:
+            return
+        floor = self.retention_floor(spec, planner, dims)
+        if floor is not None and spec.retention < floor.value:
+            operator = f", operator={spec.operator.value}" if spec.operator.selects_frames else ""
+            shown = rounded_up(floor.value)
+            raise ValueError(
+                f"retention={spec.retention}: method={spec.method.name}{operator} {floor.keeps}, so no video "
+                f"reaches R below {shown} ({floor.detail}); raise retention to at least {shown}"
+            )
+
+    def retention_floor(self, spec: RunSpec, planner: Planner, dims: BackboneDims | None) -> RetentionFloor | None:
+        """The lowest R any video can reach under `spec`, from the settings and the token grid alone
+        (`planner`; `dims`: the LLM's, None where unknown; None: no floor this kind can state). The
+        default, for a kind whose plans enter the LLM: every plan keeps at least
+        min_tokens_per_pair tokens of each frame pair, and no vanilla pair has more tokens than the
+        largest vanilla plan's (`Planner.largest_pairs`): min_tokens_per_pair / those tokens."""
+        _, largest = planner.largest_pairs()
+        least, most = spec.budget.min_tokens_per_pair, largest.reference_tokens
+        return RetentionFloor(
+            least / most,
+            f"plans at least min_tokens_per_pair={least} {tokens(least)} per frame pair",
+            f"{least} of {most} tokens per pair, the most a vanilla pair has at {planner.limits_text()}",
+        )
 
     # ------------------------------------------------------------------ planning
     def scales(
@@ -208,6 +263,21 @@ class FrameSelection(MethodKind):
             "Allocator scores; declare it as a resize policy"
         )
 
+    def retention_floor(self, spec, planner, dims) -> RetentionFloor:
+        """R is against all candidates: at least the fewest kept frames' pairs (one frame with a
+        `score_threshold`, else min(top_k, candidates)) at min_tokens_per_pair tokens each, against
+        every candidate's pair at the largest vanilla plan."""
+        _, largest = planner.largest_pairs()
+        least, most, temporal = spec.budget.min_tokens_per_pair, largest.reference_tokens, planner.grid.temporal_patch
+        fewest = 1 if spec.score_threshold is not None or spec.top_k is None else min(spec.top_k, spec.candidates)
+        kept, pairs = len(pair_frames(fewest, temporal)), len(pair_frames(spec.candidates, temporal))
+        return RetentionFloor(
+            kept * least / (pairs * most),
+            f"keeps at least {fewest} of candidates={spec.candidates} frames, at least min_tokens_per_pair={least} "
+            f"{tokens(least)} per frame pair",
+            f"{kept * least} of {pairs} x {most} tokens, {most} the most a vanilla pair has at {planner.limits_text()}",
+        )
+
     def scales(self, spec, planner, items, base_hws, raw) -> FrameScales:
         t0 = time.perf_counter()
         (video,), (scores,), (base_hw,) = items, raw, base_hws
@@ -231,6 +301,15 @@ class EnginePruner(MethodKind):
     def engine_args(self, spec) -> dict:
         method = spec.method
         return dict(video_pruning_method=method.engine_pruning, video_pruning_rate=method.pruning_rate(spec.retention))
+
+    def retention_floor(self, spec, planner, dims) -> RetentionFloor:
+        """vLLM keeps the first frame pair whole (`engine_kept_tokens`): one pair of the most a video has."""
+        pairs = len(pair_frames(spec.frames_to_decode, planner.grid.temporal_patch))
+        return RetentionFloor(
+            1 / pairs,
+            f"keeps the first frame pair whole (vLLM's {spec.method.engine_pruning})",
+            f"1 of the {pairs} pairs of max_num_frames={spec.frames_to_decode}",
+        )
 
     def check_engine(self, spec, backbone) -> None:
         wanted = tuple(self.engine_args(spec).values())
@@ -311,6 +390,11 @@ class InLLMPruner(InModel):
                 "first stage see every visual token); raise retention, or give prune_layers an earlier first layer"
             ) from None
 
+    def retention_floor(self, spec, planner, dims) -> None:
+        """None: every visual token enters the LLM, and the schedule's floor on every video is
+        `check_llm`'s (it needs the LLM's depth)."""
+        return None
+
     def token_budget(self, spec, plans, reference, dims) -> TokenBudget:
         visual = sum(p.visual_tokens for p in plans)
         stages = tuple(self.schedule(spec, dims, visual))
@@ -334,6 +418,16 @@ class Compressor(InModel):
     name = "vision-side compressor"
     stage = AFTER_MERGER
     slots = ("compress",)
+
+    def retention_floor(self, spec, planner, dims) -> RetentionFloor:
+        """It keeps at least one token per frame pair of the vanilla plan (`kept_count`): one of the
+        most tokens a vanilla pair has (`Planner.largest_pairs`)."""
+        largest, _ = planner.largest_pairs()
+        return RetentionFloor(
+            len(largest.grids) / largest.visual_tokens,
+            "keeps at least 1 token per frame pair",
+            f"1 of {largest.visual_tokens} tokens per pair, the most a vanilla pair has at {planner.limits_text()}",
+        )
 
     def token_budget(self, spec, plans, reference, dims) -> TokenBudget:
         (plan,) = plans
@@ -387,11 +481,35 @@ class CompressorThenPruner(Compressor):
     slots = ("compress", "prune")
 
     def check_llm(self, spec, dims) -> None:
-        """Bad `prune_layers` only: the floor depends on the video's frame pairs and tokens (per sample)."""
+        """Bad `prune_layers` only: the floor on every video is `retention_floor`'s."""
         try:
             probe_schedule(spec, dims)
         except InfeasibleBudget:
             return
+
+    def retention_floor(self, spec, planner, dims) -> RetentionFloor | None:
+        """At least one token per frame pair enters the LLM, then the method's own stage keeps fewer:
+        on P pairs of T tokens the layer average is at least that of P tokens entering over P T
+        (`inside_llm.entering_tokens`' floor), lowest at T the most a vanilla pair has; the least
+        over P up to the pairs of max_num_frames. None without the LLM's depth (`dims`)."""
+        if dims is None:
+            return None
+        largest, _ = planner.largest_pairs()
+        most, layers = largest.visual_tokens, dims.text.layers
+        best = None
+        for pairs in range(1, len(pair_frames(spec.frames_to_decode, planner.grid.temporal_patch)) + 1):
+            stages = InLLMPruner.schedule(spec, dims, pairs)
+            total = sum(layer_counts(stages, layers, pairs))
+            if best is None or total / (layers * pairs * most) < best[0]:  # as `entering_tokens` states its floor
+                best = (total / (layers * pairs * most), pairs, stages, total / layers)
+        value, pairs, stages, average = best
+        return RetentionFloor(
+            value,
+            "keeps at least 1 token per frame pair entering the LLM",
+            f"{pairs} pair{'s' if pairs > 1 else ''} of {most} tokens, the most a vanilla pair has at "
+            f"{planner.limits_text()}, one each entering this LLM of {layers} layers, then "
+            f"{', '.join(f'{s.keep} from layer {s.layer}' for s in stages)}: {average:g} tokens on average",
+        )
 
     def token_budget(self, spec, plans, reference, dims) -> TokenBudget:
         (plan,) = plans

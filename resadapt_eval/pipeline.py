@@ -127,6 +127,7 @@ class VideoPipeline:
         self.dims = dims_from_config(self.layout.config)  # the LLM's layers, for the in-LLM token rules
         self.kind.check_llm(self.spec, self.dims)
         self.planner = Planner(self.layout.grid, self.spec.budget, self.spec.min_pixels, self.spec.max_pixels)
+        self.kind.check_retention(self.spec, self.planner, self.dims)  # a target no video reaches stops here
         self.allocator = None
         if self.spec.method.needs_allocator:
             from .allocator import AllocatorPolicy, load_allocator

@@ -252,22 +252,23 @@ def test_a_changed_limit_does_not_reuse_finished_cells(fixtures_dir, tmp_path):
 
 
 def test_an_all_failed_cell_is_reported_failed_and_tables_show_the_failures(fixtures_dir, tmp_path):
-    """An infeasible target fails every sample: lmms-eval exits 0 with a score, but the cell is
-    failed (with the first errors) and its table row shows the failure count, not the score."""
+    """A target no smoke video reaches (above every video's floor, so the run starts) fails every
+    sample: lmms-eval exits 0 with a score, but the cell is failed (with the first errors) and its
+    table row shows the failure count, not the score."""
     proc = subprocess.run(
-        sweep_cmd(tmp_path, "vanilla,fixed_scale", retention="0.0001", limit=2),
+        sweep_cmd(tmp_path, "vanilla,fixed_scale", retention="0.01", limit=2),
         cwd=REPO,
         capture_output=True,
         text=True,
     )
     assert proc.returncode == 1, proc.stdout[-2000:]
-    meta = json.loads((tmp_path / "fixed_scale-r0.0001-f8" / "cell.json").read_text())
+    meta = json.loads((tmp_path / "fixed_scale-r0.01-f8" / "cell.json").read_text())
     assert (meta["status"], meta["samples"], meta["failed_samples"]) == ("failed", 2, 2)
-    assert "2 of 2 samples failed" in meta["error"] and "retention 0.0001" in meta["error"]
+    assert "2 of 2 samples failed" in meta["error"] and "retention 0.01 " in meta["error"]
     assert json.loads((tmp_path / "vanilla-f8" / "cell.json").read_text())["status"] == "done"
 
     rerun = subprocess.run(
-        sweep_cmd(tmp_path, "vanilla,fixed_scale", retention="0.0001", limit=2),
+        sweep_cmd(tmp_path, "vanilla,fixed_scale", retention="0.01", limit=2),
         cwd=REPO,
         capture_output=True,
         text=True,

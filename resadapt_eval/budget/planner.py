@@ -6,10 +6,14 @@ exactly as `method=resadapt,retention=R` plans at evaluation.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+import math
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Iterator, Sequence
 
 import numpy as np
+from qwen_vl_utils.vision_process import MAX_RATIO
 
 from .plan import ResizePlan, TokenGrid, base_size, plan_from_scales, project_jointly
 from .policies import BUDGET_RULES, BudgetSpec
@@ -50,14 +54,61 @@ class Planner:
     def __post_init__(self):
         check_base_grid(self.spec, self.grid)
 
+    @property
+    def base_grid(self) -> TokenGrid:
+        """The grid base sizes are rounded to: the token grid, or `spec.base_grid_px`."""
+        return self.grid if self.spec.base_grid_px is None else TokenGrid(token_px=self.spec.base_grid_px)
+
+    @property
+    def pixel_bounds(self) -> tuple[int, int]:
+        """(min_pixels, max_pixels) of one frame's base area, the defaults counted in squares of `base_grid`."""
+        area = self.base_grid.token_px**2
+        lo = self.min_pixels if self.min_pixels is not None else DEFAULT_MIN_TOKENS_PER_FRAME * area
+        hi = self.max_pixels if self.max_pixels is not None else DEFAULT_MAX_TOKENS_PER_FRAME * area
+        return lo, hi
+
     def base_hw(self, frame_hw: tuple[int, int]) -> tuple[int, int]:
         """Base (vanilla) size in pixels of frames of `frame_hw` pixels, on the token grid or on
         `spec.base_grid_px` (the default bounds then count tokens of that grid)."""
-        grid = self.grid if self.spec.base_grid_px is None else TokenGrid(token_px=self.spec.base_grid_px)
-        area = grid.token_px**2
-        lo = self.min_pixels if self.min_pixels is not None else DEFAULT_MIN_TOKENS_PER_FRAME * area
-        hi = self.max_pixels if self.max_pixels is not None else DEFAULT_MAX_TOKENS_PER_FRAME * area
-        return base_size(*frame_hw, grid, lo, hi)
+        return base_size(*frame_hw, self.base_grid, *self.pixel_bounds)
+
+    def largest_base_area(self) -> int:
+        """The most squares of `base_grid` a frame's base size can cover: max_pixels' worth, or more
+        where min_pixels is close to it. `smart_resize` fits a frame whose sides round to fewer than
+        min_pixels up to x by y squares with x y = min_pixels in squares and ceils each side: fewer
+        than (x + 1)(y + 1) = m + 1 + x + y squares, at most m + 1 + sqrt(m / 200) + sqrt(200 m)
+        with a frame's aspect ratio at most qwen-vl-utils' MAX_RATIO = 200 (a bound, not a size)."""
+        lo, hi = self.pixel_bounds
+        square = self.base_grid.token_px**2
+        m = lo / square
+        return max(hi // square, math.floor(m + 1 + math.sqrt(m / MAX_RATIO) + math.sqrt(MAX_RATIO * m)))
+
+    def base_sizes(self) -> Iterator[tuple[int, int]]:
+        """Every base size in pixels a frame can have here, and more: each a x b squares of
+        `base_grid` with a <= b (a pair's tokens do not depend on which side is which) covering at
+        most `largest_base_area` squares, whichever aspect ratio."""
+        px, area = self.base_grid.token_px, self.largest_base_area()
+        for a in range(1, math.isqrt(area) + 1):
+            for b in range(a, area // a + 1):
+                yield a * px, b * px
+
+    def largest_pairs(self) -> tuple[ResizePlan, ResizePlan]:
+        """The largest vanilla plans: of every frame pair at the base size (`base_sizes`), planned
+        as `plan` plans it, the one with the most visual tokens and the one whose vanilla pair (the
+        reference R is measured against) has the most tokens; each a one-pair `ResizePlan`. The
+        bound on how few tokens any video keeps per token it could have (`kinds.MethodKind.retention_floor`).
+        Searched once per grid, budget settings (the retention aside) and pixel bounds."""
+        return _largest_pairs(dataclasses.replace(self, spec=dataclasses.replace(self.spec, retention=None)))
+
+    def limits_text(self) -> str:
+        """The settings that bound a pair's size, as model_args spell them (for messages)."""
+        lo, hi = self.pixel_bounds
+        text = f"max_pixels={hi}" + (" (the default)" if self.max_pixels is None else "")
+        if self.largest_base_area() > hi // self.base_grid.token_px**2:
+            text += f", min_pixels={lo}"
+        if self.spec.max_tokens_per_pair is not None:
+            text += f", max_tokens_per_pair={self.spec.max_tokens_per_pair}"
+        return text
 
     def plan(self, scales: Sequence[float], base_hw: tuple[int, int]) -> ResizePlan:
         """The resize plan of per-frame `scales` (linear, relative to `base_hw`)."""
@@ -109,3 +160,20 @@ class Planner:
             target = target * reference / self.vanilla_tokens(len(positions), base_hw)
         (scales,) = self.fit([raw[positions]], [base_hw], target)
         return positions, scales, reference
+
+
+@functools.lru_cache(maxsize=64)
+def _largest_pairs(planner: Planner) -> tuple[ResizePlan, ResizePlan]:
+    """`Planner.largest_pairs`, cached on the planner (frozen, so hashable)."""
+    most_visual = most_reference = None
+    ones = np.ones(planner.grid.temporal_patch)
+    for base_hw in planner.base_sizes():
+        try:
+            plan = planner.plan(ones, base_hw)
+        except ValueError:  # a size this rule cannot plan (the authors' `smart_resize` past a 200:1 aspect ratio)
+            continue
+        if most_visual is None or plan.visual_tokens >= most_visual.visual_tokens:  # ties: the squarer base
+            most_visual = plan
+        if most_reference is None or plan.reference_tokens >= most_reference.reference_tokens:
+            most_reference = plan
+    return most_visual, most_reference

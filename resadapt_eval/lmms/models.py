@@ -28,7 +28,7 @@ from ..allocator import (
 )
 from ..backbones.qwen import ADAPTERS, Qwen3VLAdapter, Qwen25VLAdapter, QwenVideoAdapter
 from ..budget.plan import TokenGrid
-from ..budget.planner import check_base_grid
+from ..budget.planner import Planner, check_base_grid
 from ..manifest import git_revision, merge_totals, run_summary, sample_totals, versions, write_json
 from ..methods import Method
 from ..pipeline import Request, VideoPipeline, VideoPipelineConfig
@@ -152,8 +152,12 @@ class ResAdaptQwen(lmms):
         if dtype != "auto" and not _is_torch_dtype(dtype):
             raise ValueError(f"model_args dtype={dtype!r}: expected auto or a torch dtype (float32, bfloat16, float16)")
         config = config_from_model_args(method=method or cls.fixed_method or "vanilla", **model_args)
-        cls.check_engine(RunSpec.resolve(config).method)
+        spec = RunSpec.resolve(config)
+        cls.check_engine(spec.method)
         check_base_grid(config.budget, cls.layout_grid())
+        # a retention no video reaches (the floors that need the LLM's depth are checked when the model is built)
+        planner = Planner(cls.layout_grid(), spec.budget, spec.min_pixels, spec.max_pixels)
+        spec.kind.check_retention(spec, planner, None)
         return config
 
     @classmethod
