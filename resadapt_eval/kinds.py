@@ -102,20 +102,25 @@ def rounded_up(value: float, digits: int = 4) -> str:
 class ModelInputs:
     """A kind's engine request for one planned video; merged_sizes: a compressor's group sizes,
     compressor_flops: its work as counted, vision_s: its vision tower's seconds, peak_memory_mb:
-    the peak while it encoded and compressed (None where the tower runs inside the engine call)."""
+    the peak while it encoded and compressed (None where the tower runs inside the engine call),
+    compress_s: the compressor's own seconds (None: the kind has none, `untimed_work` says why)."""
 
     request: object
     merged_sizes: tuple[int, ...] | None = None
     compressor_flops: int = 0
     vision_s: float = 0.0
     peak_memory_mb: float | None = None
+    compress_s: float | None = None
 
 
 class MethodKind:
     """The protocol every kind implements; these defaults are a method that plans every frame at
     the base size, puts the plan's tokens into the LLM and runs on any engine that does not prune
     video tokens itself. hf / vllm: the HF classes / the vLLM engine run it; images: it serves
-    image requests; slots: the algorithm slots a method of this kind fills (the others stay empty)."""
+    image requests; slots: the algorithm slots a method of this kind fills (the others stay empty);
+    untimed_work: why its records carry no `compress_s` (None: a compressor, which times its own work)."""
+
+    untimed_work: str | None = "no compressor stage: the method's own work is planning (in preprocess_s)"
 
     name = "method"
     stage = BEFORE_ENCODER
@@ -294,6 +299,7 @@ class EnginePruner(MethodKind):
     `video_pruning_rate` = `Method.pruning_rate(R)`); the video is planned at the base size."""
 
     name = "engine-side pruner"
+    untimed_work = "vLLM prunes inside its engine call, which does not time it apart"
     stage = IN_ENGINE
     hf, vllm, images = False, True, False
     slots = ("engine_pruning",)
@@ -365,6 +371,7 @@ class InLLMPruner(InModel):
     their layer average."""
 
     name = "in-LLM pruner"
+    untimed_work = "its ranking and pruning run inside the LLM's prefill (in first_token_s, not timed apart)"
     stage = INSIDE_LLM
     slots = ("prune",)
 
@@ -418,6 +425,7 @@ class Compressor(InModel):
     name = "vision-side compressor"
     stage = AFTER_MERGER
     slots = ("compress",)
+    untimed_work = None
 
     def retention_floor(self, spec, planner, dims) -> RetentionFloor:
         """It keeps at least one token per frame pair of the vanilla plan (`kept_count`): one of the
@@ -435,7 +443,8 @@ class Compressor(InModel):
         return TokenBudget(reference, kept_count(share, plan.visual_tokens, len(plan.grids)), share=share)
 
     def build(self, spec, backbone, prompt, video, plan, pairs, budget) -> ModelInputs:
-        method, compressor, timer = spec.method, CountedCall(spec.method.compress), backbone.vision_timer
+        method, timer = spec.method, backbone.vision_timer
+        compressor = CountedCall(spec.method.compress, timer.stopwatch)  # its work counted and timed
         reset_peak_memory(backbone.device)  # the tower runs here, before the engine call
         with timer.recording():
             inputs, sizes = backbone.build_compressed_inputs(
@@ -452,7 +461,8 @@ class Compressor(InModel):
         if len(merged) != budget.entering:
             raise RuntimeError(f"{method.name} kept {len(merged)} tokens; the token budget counts {budget.entering}")
         vision_s, peak = timer.take(), peak_memory_mb(backbone.device)
-        return ModelInputs(self.then(backbone, inputs, budget), merged, compressor.flops, vision_s, peak)
+        inputs = self.then(backbone, inputs, budget)
+        return ModelInputs(inputs, merged, compressor.flops, vision_s, peak, compressor.seconds())
 
     def then(self, backbone, inputs, budget: TokenBudget):
         """The compressed inputs as the engine runs them: as they are."""

@@ -86,8 +86,8 @@ class Built:
     """The engine's request; merged_sizes: group sizes of a token compressor, compressor_flops: its
     work as counted, vision_s: its vision tower's seconds, peak_memory_mb: the peak while it encoded
     and compressed (`measure.clock`; None for other methods, whose tower runs inside the engine
-    call); seconds: building time, resize_s of it resizing frames. The placeholders the request
-    must hold are its token budget's."""
+    call); seconds: building time, resize_s of it resizing frames; compress_s: a compressor's own
+    seconds, within `seconds`. The placeholders the request must hold are its token budget's."""
 
     request: object
     merged_sizes: tuple[int, ...] | None
@@ -96,6 +96,7 @@ class Built:
     compressor_flops: int = 0
     vision_s: float = 0.0
     peak_memory_mb: float | None = None
+    compress_s: float | None = None
 
 
 @dataclass(frozen=True)
@@ -282,6 +283,7 @@ class VideoPipeline:
             inputs.compressor_flops,
             inputs.vision_s,
             inputs.peak_memory_mb,
+            inputs.compress_s,
         )
 
     def generate(

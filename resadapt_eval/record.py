@@ -35,7 +35,9 @@ class SampleRecord:
     allocator_{text,visual,predict}_s (Allocator stages; predict includes the projection),
     scale_apply_s (resizing frames to the plan), preprocess_s (planning and building the model
     inputs, resize included), generate_s (this sample's share of the engine call), vision_s (the
-    vision tower, inside generate_s or, for a compressor, in preprocess_s; None on vLLM),
+    vision tower, inside generate_s or, for a compressor, in preprocess_s; None on vLLM), compress_s
+    (a token compressor's own work, within preprocess_s; null where the method has no such stage,
+    compress_s_reason saying why),
     first_token_s (the engine starting this request to its first token: vision tower and prefill),
     per_token_s (each later token), peak_memory_mb (`measure.clock.peak_memory_mb`: on CUDA
     `torch.cuda.max_memory_allocated` in MiB since a reset before the engine call and, for a token
@@ -91,6 +93,8 @@ class SampleRecord:
     preprocess_s: float = 0.0
     generate_s: float = 0.0
     vision_s: float | None = None
+    compress_s: float | None = None
+    compress_s_reason: str | None = None
     first_token_s: float | None = None
     per_token_s: float | None = None
     peak_memory_mb: float | None = None
@@ -197,6 +201,9 @@ def build_record(
         record.merged_sizes = list(built.merged_sizes) if built.merged_sizes is not None else None
         record.scale_apply_s = built.resize_s
         record.preprocess_s += built.seconds
+        record.compress_s = built.compress_s
+        if built.compress_s is None:
+            record.compress_s_reason = spec.kind.untimed_work or "an image request: not compressed"
     if generated is not None:
         record.visual_tokens = budget.entering
         record.layer_visual_tokens = list(budget.layers) if budget.layers is not None else None

@@ -92,6 +92,11 @@ def test_profile_times_every_stage_and_writes_the_latency_table(fixtures_dir, tm
         assert (r["allocator_visual_s"] > 0) == (r["allocator_flops"] > 0) == (r["method"] == "resadapt")
         if r["method"] == "tome":  # the tower runs while the inputs are built, not inside generate
             assert r["vision_s"] < r["preprocess_s"]
+            # its own work, timed apart: inside the build, beside the tower
+            assert 0 < r["compress_s"] and r["compress_s"] + r["vision_s"] < r["preprocess_s"]
+            assert r["compress_s_reason"] is None
+        else:
+            assert r["compress_s"] is None and r["compress_s_reason"].startswith("no compressor stage")
     rows = list(csv.DictReader((out / "latency.csv").open()))
     assert [(r["method"], r["frames"]) for r in rows] == [
         (m, f) for f in ("8", "16") for m in ("vanilla", "tome", "resadapt")
@@ -99,6 +104,10 @@ def test_profile_times_every_stage_and_writes_the_latency_table(fixtures_dir, tm
     for row in rows:
         mine = [r for r in records if r["method"] == row["method"] and r["num_frames"] == int(row["frames"])]
         assert float(row["gen_time_ms"]) == pytest.approx(1e3 * sum(r["generate_s"] for r in mine) / 2)
+        if row["method"] == "tome":
+            assert float(row["compress_ms"]) == pytest.approx(1e3 * sum(r["compress_s"] for r in mine) / 2)
+        else:
+            assert row["compress_ms"] == ""
         assert float(row["total_tflops"]) == pytest.approx(sum(r["total_flops"] for r in mine) / 2 / 1e12)
     assert "| vanilla | 16 | 100.0% |" in capsys.readouterr().out
     assert (out / "latency.md").is_file() and (out / "profile_video.mp4").is_file()

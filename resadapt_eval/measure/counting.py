@@ -52,12 +52,21 @@ def counted_flops(fn, *args, **kwargs):
 
 
 class CountedCall:
-    """`fn` with every call counted: `flops` is the total so far."""
+    """`fn` with every call counted: `flops` is the total so far; with a `stopwatch`
+    (`measure.clock.Stopwatch`), `seconds()` is the time its calls took (CUDA events on a GPU,
+    read once at the end)."""
 
-    def __init__(self, fn):
-        self.fn, self.flops = fn, 0
+    def __init__(self, fn, stopwatch=None):
+        self.fn, self.flops, self.stopwatch, self.spans = fn, 0, stopwatch, []
 
     def __call__(self, *args, **kwargs):
+        start = self.stopwatch.mark() if self.stopwatch is not None else None
         result, flops = counted_flops(self.fn, *args, **kwargs)
+        if self.stopwatch is not None:
+            self.spans.append((start, self.stopwatch.mark()))
         self.flops += flops
         return result
+
+    def seconds(self) -> float:
+        """Seconds spent in the calls so far (needs a stopwatch)."""
+        return sum(self.stopwatch.seconds(a, b) for a, b in self.spans)

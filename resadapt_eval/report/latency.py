@@ -7,7 +7,8 @@ Pred. (prediction and projection), Scale Apply (resizing frames to the plan), Sc
 sum), Inference TFLOPs (vision tower, LLM, a method's own work), TTFT (time to first token), Gen.
 Time (the engine call), Total TFLOPs, E2E Time = Scale Time + Gen. Time. Beside them: Decode
 (reading the video), Build (planning and building the model inputs, resizing excluded; a
-compressor's encode included), Vision (the vision tower, where the engine exposes it), per output
+compressor's encode included), Vision (the vision tower, where the engine exposes it), Compress (a
+token compressor's own work, part of Build; empty for methods without one), per output
 token, peak memory (MiB), and the samples averaged. The change against vanilla at the same frame
 count is printed as in the paper (negative: faster or cheaper).
 """
@@ -40,6 +41,7 @@ COLUMNS = (
     "decode_ms",
     "build_ms",
     "vision_ms",
+    "compress_ms",
     "per_token_ms",
     "peak_memory_mb",
     "samples",
@@ -68,6 +70,7 @@ def latency_row(method: str, frames: int, records: list[dict]) -> dict:
         ("gen_time_ms", "generate_s"),
         ("decode_ms", "decode_s"),
         ("vision_ms", "vision_s"),
+        ("compress_ms", "compress_s"),
         ("per_token_ms", "per_token_s"),
     ):
         row[column] = _mean(done, key, MS)
