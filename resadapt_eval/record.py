@@ -32,16 +32,16 @@ class SampleRecord:
     vanilla tokens, so R is against vanilla at the candidate count, as the paper reports it);
     frame_budget: visual tokens in full-resolution-frame equivalents (every method). Images: one
     entry per image in base_size, scales, pair_sizes and grids. Seconds: decode_s (video decode),
-    allocator_{text,visual,predict}_s (Allocator stages; predict includes the projection),
-    scale_apply_s (resizing frames to the plan), preprocess_s (planning and building the model
-    inputs, resize included), generate_s (this sample's share of the engine call), vision_s (the
-    vision tower, inside generate_s or, for a compressor, in preprocess_s; None on vLLM), compress_s
-    (a token compressor's own work, within preprocess_s; null where the method has no such stage,
-    compress_s_reason saying why),
-    first_token_s (the engine starting this request to its first token: vision tower and prefill),
-    per_token_s (each later token), peak_memory_mb (`measure.clock.peak_memory_mb`: on CUDA
-    `torch.cuda.max_memory_allocated` in MiB since a reset before the engine call and, for a token
-    compressor, before it encoded and compressed, the larger of the two; None on vLLM).
+    allocator_{text,visual,predict}_s (Allocator stages; predict includes the projection), scale_apply_s
+    (resizing frames to the plan, by `resize`: exact or fast), preprocess_s (planning and building the
+    model inputs, resize included), generate_s (this sample's share of the engine call), vision_s (the
+    vision tower, inside generate_s or, for a compressor, in preprocess_s; None on vLLM), compress_s (a
+    token compressor's own work, within preprocess_s; null where the method has no such stage,
+    compress_s_reason saying why), first_token_s (the engine starting this request to its first token:
+    vision tower and prefill), per_token_s (each later token), peak_memory_mb
+    (`measure.clock.peak_memory_mb`: on CUDA `torch.cuda.max_memory_allocated` in MiB since a reset
+    before the engine call and, for a token compressor, before it encoded and compressed, the larger of
+    the two; None on vLLM).
     Stage clocks are CUDA events on a GPU, wall clocks on CPU. error: `ExceptionType: message`.
     allocator: the Allocator checkpoint of method=resadapt (`untrained` when run on purpose without one).
     allocator_query: what that Allocator read as the query (`question`, or `empty` in the ablation).
@@ -90,6 +90,7 @@ class SampleRecord:
     allocator_visual_s: float = 0.0
     allocator_predict_s: float = 0.0
     scale_apply_s: float = 0.0
+    resize: str | None = None
     preprocess_s: float = 0.0
     generate_s: float = 0.0
     vision_s: float | None = None
@@ -200,6 +201,7 @@ def build_record(
     if built is not None:
         record.merged_sizes = list(built.merged_sizes) if built.merged_sizes is not None else None
         record.scale_apply_s = built.resize_s
+        record.resize = spec.resize
         record.preprocess_s += built.seconds
         record.compress_s = built.compress_s
         if built.compress_s is None:

@@ -20,6 +20,7 @@ import torch
 from loguru import logger
 
 from .allocator import BUDGET_FILE, UNTRAINED, budget_source, check_checkpoint, training_budget
+from .backbones.layout import RESIZES
 from .budget.policies import BudgetSpec
 from .budget.selection import OPERATORS, Operator
 from .kinds import FRAME_SELECTION, MethodKind
@@ -38,7 +39,9 @@ class VideoPipelineConfig:
     allocator_query: what the Allocator reads as the query, `question` or `empty` (the ablation);
     allocator_transfer: run an Allocator whose `backbone.json` names another backbone on purpose (as
     the paper runs its Qwen2.5-VL Allocator on Qwen3-VL; without it such a checkpoint stops at start;
-    methods without an Allocator ignore it, so a card can set it for every cell).
+    methods without an Allocator ignore it, so a card can set it for every cell); resize: how frames
+    are resized to their planned sizes, `exact` (torchvision's float path, as qwen-vl-utils) or `fast`
+    (its uint8 kernel, a few uint8 levels off; `backbones.layout.resize_frames`).
     These are the parsed model_args; the pipeline runs with them resolved (`RunSpec.resolve`)."""
 
     method: str = "vanilla"
@@ -52,6 +55,7 @@ class VideoPipelineConfig:
     allocator_seed: int = 0
     allocator_query: str = "question"
     allocator_transfer: bool = False
+    resize: str = "exact"
     compression_seed: int = 0
     operator: str = "resize"
     candidates: int = 128
@@ -105,6 +109,7 @@ class RunSpec:
     compression_seed: int
     strict: bool
     allocator_transfer: bool = False
+    resize: str = "exact"
     kind: MethodKind = field(init=False)
 
     def __post_init__(self):
@@ -180,6 +185,8 @@ class RunSpec:
         for name, value in at_least_one.items():
             if value is not None and value < 1:
                 raise ValueError(f"{name} must be at least 1, got {value}")
+        if config.resize not in RESIZES:
+            raise ValueError(f"resize must be one of {', '.join(RESIZES)}, got {config.resize!r}")
         if config.allocator_query not in ALLOCATOR_QUERIES:
             raise ValueError(f"allocator_query must be one of {ALLOCATOR_QUERIES}, got {config.allocator_query!r}")
         if config.allocator_query != ALLOCATOR_QUERIES[0] and not method.needs_allocator:
@@ -208,6 +215,7 @@ class RunSpec:
             config.compression_seed,
             config.strict,
             config.allocator_transfer,
+            config.resize,
         )
 
 

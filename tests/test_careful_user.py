@@ -580,3 +580,28 @@ def test_how_a_process_ended_reads_as_a_person_would_say_it():
     assert exit_description(128 + signal.SIGKILL) == "was killed by SIGKILL (exit code 137)"
     assert exit_description(128 + signal.SIGSEGV) == "was killed by SIGSEGV (exit code 139)"
     assert exit_description(1) == "exited with exit code 1"
+
+
+def test_resize_fast_uses_the_uint8_kernel_within_a_few_levels_and_every_record_says_which_ran(fixtures_dir, tmp_path):
+    """resize=fast: torchvision v2's uint8 bicubic kernel, its frames at most a few uint8 levels from
+    the exact (float) path on a 720p frame; the records name the resize that ran; a typo stops at start."""
+    import numpy as np
+
+    from resadapt_eval.backbones.layout import resize_frames
+
+    g = np.random.default_rng(0)
+    x, y = np.linspace(0, 1, 1280)[None, :, None], np.linspace(0, 1, 720)[:, None, None]
+    frame = 127 + 60 * np.sin(20 * x + 7 * y) + g.normal(0, 20, (720, 1280, 3))
+    frames = np.stack([frame.clip(0, 255).astype(np.uint8)] * 2)
+    exact, fast = resize_frames(frames, 504, 896), resize_frames(frames, 504, 896, "fast")
+    assert exact.shape == fast.shape == (2, 3, 504, 896) and exact.dtype == fast.dtype == torch.uint8
+    difference = (exact.int() - fast.int()).abs()
+    assert 0 < difference.max() <= 4 and difference.float().mean() < 0.5  # measured: 3 and 0.18
+    assert torch.equal(resize_frames(frames, 720, 1280, "fast"), resize_frames(frames, 720, 1280))  # no resize
+
+    for mode in ("exact", "fast"):
+        model = lmms_model(fixtures_dir, tmp_path / mode, method="fixed_scale", retention=0.25, resize=mode)
+        _, records = answer(model, fixtures_dir, videos=VIDEOS[:1])
+        assert records[0]["error"] is None and records[0]["resize"] == mode
+    with pytest.raises(ValueError, match="resize must be one of exact, fast, got 'fastest'"):
+        lmms_model(fixtures_dir, tmp_path, method="fixed_scale", retention=0.25, resize="fastest")

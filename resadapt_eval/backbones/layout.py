@@ -19,6 +19,7 @@ import numpy as np
 import torch
 from torchvision.transforms import InterpolationMode
 from torchvision.transforms.functional import resize
+from torchvision.transforms.v2.functional import resize as resize_uint8
 from transformers.video_utils import VideoMetadata
 
 from ..budget.plan import QWEN3VL_GRID, QWEN25VL_GRID, ResizePlan, TokenGrid
@@ -29,12 +30,21 @@ IMAGE_PAD = "<|image_pad|>"
 VIDEO_TOKEN_TYPE = 2  # mm_token_type_ids: text 0, image 1, video 2
 
 
-def resize_frames(frames: np.ndarray, height: int, width: int) -> torch.Tensor:
-    """Bicubic, antialiased resize of uint8 frames (T, H, W, 3) to (T, 3, height, width) uint8,
-    the interpolation qwen-vl-utils uses when it fetches videos."""
+RESIZES = ("exact", "fast")  # model_args resize=: how frames are resized to their planned sizes
+
+
+def resize_frames(frames: np.ndarray, height: int, width: int, mode: str = "exact") -> torch.Tensor:
+    """Bicubic, antialiased resize of uint8 frames (T, H, W, 3) to (T, 3, height, width) uint8.
+    exact: torchvision's v1 `resize`, in float arithmetic, the interpolation qwen-vl-utils uses when
+    it fetches videos; fast: torchvision v2's uint8 kernel on the same frames, several times faster on
+    CPU, its pixels a few uint8 levels off exact's (`benchmarks/method_cost.py` measures both)."""
     video = torch.from_numpy(np.ascontiguousarray(frames)).permute(0, 3, 1, 2)
     if video.shape[-2:] == (height, width):
         return video
+    if mode == "fast":
+        return resize_uint8(
+            video.contiguous(), [height, width], interpolation=InterpolationMode.BICUBIC, antialias=True
+        )
     return resize(video, [height, width], interpolation=InterpolationMode.BICUBIC, antialias=True)
 
 
@@ -77,15 +87,18 @@ class QwenLayout:
             raise ValueError(f"the prompt must hold exactly one {VIDEO_PAD}, found {prompt.count(VIDEO_PAD)}")
         return prompt.replace(VIDEO_PAD, VIDEO_PAD * num_pairs)
 
-    def resized_pairs(self, video: DecodedVideo, plan: ResizePlan) -> list[torch.Tensor]:
-        """Each pair's frames (2, 3, h, w) uint8 at its planned size in pixels."""
+    def resized_pairs(self, video: DecodedVideo, plan: ResizePlan, mode: str = "exact") -> list[torch.Tensor]:
+        """Each pair's frames (2, 3, h, w) uint8 at its planned size in pixels (`resize_frames`' `mode`)."""
         return [
-            resize_frames(video.frames[list(group)], h, w) for group, (h, w) in zip(plan.pair_frames, plan.pair_sizes)
+            resize_frames(video.frames[list(group)], h, w, mode)
+            for group, (h, w) in zip(plan.pair_frames, plan.pair_sizes)
         ]
 
-    def resized_images(self, images: list[np.ndarray], plans: list[ResizePlan]) -> list[torch.Tensor]:
+    def resized_images(
+        self, images: list[np.ndarray], plans: list[ResizePlan], mode: str = "exact"
+    ) -> list[torch.Tensor]:
         """Each uint8 image (H, W, 3) at its one-pair plan's size, (3, h, w) uint8."""
-        return [resize_frames(image[None], *plan.pair_sizes[0])[0] for image, plan in zip(images, plans)]
+        return [resize_frames(image[None], *plan.pair_sizes[0], mode)[0] for image, plan in zip(images, plans)]
 
     def pair_metadata(self, video: DecodedVideo, plan: ResizePlan) -> list[VideoMetadata]:
         raise NotImplementedError
