@@ -6,6 +6,7 @@ sbatch/sacct/sinfo commands."""
 
 import json
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -553,17 +554,25 @@ def shell_commands(script: str) -> list[str]:
     return [c for c in commands if c]
 
 
-def test_every_command_of_the_cluster_page_runs_as_written_up_to_submission(stub_slurm):
+def test_every_command_of_the_cluster_page_runs_as_written_up_to_submission(stub_slurm, capsys, monkeypatch):
     """Each command of docs/cluster.md, run as the page writes it (its checkout path standing for
-    this one): the paper grid's two sweeps submit their job arrays to the stub sbatch, sweep-status
-    follows them, tables and plots list every cell as missing, and the `flops` block prints what the
-    page shows."""
+    this one): the paper grid's `for` loop through bash, its two sweeps submitting their job arrays
+    to the stub sbatch; each `resadapt-eval` command after it, split as the shell splits it, through
+    the CLI in this process (an interpreter start less each; `--watch` through bash): sweep-status
+    follows the jobs, tables and plots list every cell as missing, and the `flops` block prints
+    what the page shows."""
     work = stub_slurm / "checkout"
     work.mkdir()
     for name in (".venv", "model_cards", "configs", "tasks", "results"):
         (work / name).symlink_to(REPO / name)
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1"}
-    env["PATH"] = f"{stub_slurm / 'bin'}{os.pathsep}{REPO / '.venv' / 'bin'}{os.pathsep}{env['PATH']}"
+    monkeypatch.chdir(work)
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    env["PATH"] = f"{REPO / '.venv' / 'bin'}{os.pathsep}{env['PATH']}"  # `resadapt-eval`, after the stub bin
+
+    def jobs_in(state: str) -> None:  # the stub sacct's answer for every submitted job
+        markers = [json.loads(p.read_text()) for p in work.rglob("submitted.json")]
+        (stub_slurm / "sacct.txt").write_text("".join(f"{m['job_id']}|{state}|node1\n" for m in markers))
+
     blocks = doc_blocks(CLUSTER_DOC)
     scripts = [text for info, text in blocks if info == "bash"]
     printed = [text for info, text in blocks if text.startswith("$ ")]
@@ -574,39 +583,36 @@ def test_every_command_of_the_cluster_page_runs_as_written_up_to_submission(stub
             if command.startswith("cd "):
                 assert command.split("#")[0].strip() == f"cd {CHECKOUT}", command
                 continue
-            watch = "--watch" in command
-            if watch:  # refreshes while the jobs run: one screen of it is enough here
-                jobs = sorted({m["job_id"] for m in map(json.loads, map(Path.read_text, work.rglob("submitted.json")))})
-                (stub_slurm / "sacct.txt").write_text("".join(f"{job}|RUNNING|node1\n" for job in jobs))
-            try:
-                proc = subprocess.run(
-                    ["bash", "-c", command],
-                    cwd=work,
-                    env=env,
-                    capture_output=True,
-                    text=True,
-                    timeout=20 if watch else 600,
-                )
-            except subprocess.TimeoutExpired as expired:
-                assert watch, command
-                shown = expired.stdout.decode() if isinstance(expired.stdout, bytes) else expired.stdout
-                assert "26 cells" in shown and "| running |" in shown, shown[-2000:]
-                ran.append("sweep-status --watch")
-                continue
             ran.append(command)
-            if " sweep " in command:
+            if command.startswith("for "):  # the grid's sweeps, through bash as a user types them
+                proc = subprocess.run(["bash", "-c", command], cwd=work, env=env, capture_output=True, text=True)
                 assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-                assert proc.stdout.count("job ids: ") == 2 and "26 to submit" in proc.stdout
-            elif command.startswith("resadapt-eval sweep-status"):  # every job running (the stub's sacct)
-                assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-                assert "26 cells" in proc.stdout and status_rows(proc.stdout)["vanilla-f32"][6] == "running"
-            elif command.startswith(("resadapt-eval tables", "resadapt-eval plots")):
-                assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]  # no cell has finished
-                assert (
-                    "Missing cells (52; not complete" in proc.stdout and "no finished cells" in proc.stderr
-                )  # both cards
+                assert proc.stdout.count("job ids: ") == 2 and proc.stdout.count("26 to submit") == 2
+                continue
+            argv = shlex.split(command, comments=True)
+            assert argv[0] == "resadapt-eval", command
+            if argv[1] == "sweep-status" and "--watch" in argv:  # one screen: every job has ended (no record)
+                jobs_in("COMPLETED")  # (in a process of its own: submitit caches an ended job's state)
+                shown = subprocess.run(["bash", "-c", command], cwd=work, env=env, capture_output=True, text=True)
+                assert shown.returncode == 1 and "26 cells" in shown.stdout, shown.stdout[-2000:] + shown.stderr
+                assert "finished without writing its cell's record" in shown.stdout
+            elif argv[1] == "sweep-status":
+                jobs_in("RUNNING")
+                shown = in_process(capsys, *argv[1:])
+                assert shown.returncode == 0 and status_rows(shown.stdout)["vanilla-f32"][6] == "running"
+            elif argv[1] in ("tables", "plots"):  # no cell has finished: both cards' 52 cells listed missing
+                shown = in_process(capsys, *argv[1:])
+                assert shown.returncode == 1 and "no finished cells" in shown.stderr
+                assert "Missing cells (52; not complete" in shown.stdout
             else:
                 raise AssertionError(f"a command of {CLUSTER_DOC} this test does not know: {command}")
+    assert [c.split()[1] for c in ran if not c.startswith("for ")] == [
+        "sweep-status",
+        "tables",
+        "plots",
+        "sweep-status",
+        "sweep-status",
+    ]
     for card in ("paper-qwen25vl-7b", "paper-qwen3vl-8b"):
         markers = list((work / "runs" / "paper-main" / card).glob("*/submitted.json"))
         assert len(markers) == 26
@@ -616,10 +622,9 @@ def test_every_command_of_the_cluster_page_runs_as_written_up_to_submission(stub
         assert resadapt["executor"] == "slurm"
     scripts_written = sorted(stub_slurm.glob("batch_*.sh"))
     assert len(scripts_written) == 2 and all("#SBATCH --array=0-25%8" in s.read_text() for s in scripts_written)
-    assert "sweep-status --watch" in ran
     for block in printed:
         command, *shown = block.splitlines()
-        proc = subprocess.run(["bash", "-c", command[2:]], cwd=work, env=env, capture_output=True, text=True)
-        assert proc.returncode == 0, proc.stderr[-2000:]
-        table = proc.stdout.splitlines()[-len(shown) :]  # the page shows the table, not the line above it
+        out = in_process(capsys, *shlex.split(command[2:])[1:])
+        assert out.returncode == 0, out.stderr[-2000:]
+        table = out.stdout.splitlines()[-len(shown) :]  # the page shows the table, not the line above it
         assert [line.split() for line in table] == [line.split() for line in shown], command
