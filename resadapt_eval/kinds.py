@@ -10,8 +10,8 @@ schedule, ...) and defaults. A kind owns
 - its checks: a method declaration of this kind (`check`), an engine that cannot run it
   (`check_engine`), settings the LLM's depth already rules out (`check_llm`), a retention below
   the lowest R any video reaches (`retention_floor`, checked by `check_retention`);
-- what the serving engine is built with for it (`engine_args`) and the FLOPs of the method's own
-  work (`own_flops`).
+- what the serving engine is built with for it (`engine_args`), the FLOPs of the method's own
+  work (`own_flops`) and, where its records carry no `compress_s`, why (`untimed_work`).
 `pipeline.VideoPipeline`, `record.build_record`, `compute.flops`, the config-only rows
 (`estimates.py`) and the vLLM classes call these and never branch on the kind. The run spec
 (`runspec.RunSpec.kind`) picks the kind of a run: the method's, or `FRAME_SELECTION` under
