@@ -85,7 +85,7 @@ class RetentionFloor:
     detail: str
 
 
-def tokens(count: int) -> str:
+def token_word(count: int) -> str:
     """`token` or `tokens`, for `count` of them."""
     return "token" if count == 1 else "tokens"
 
@@ -179,7 +179,7 @@ class MethodKind:
         least, most = spec.budget.min_tokens_per_pair, largest.reference_tokens
         return RetentionFloor(
             least / most,
-            f"plans at least min_tokens_per_pair={least} {tokens(least)} per frame pair",
+            f"plans at least min_tokens_per_pair={least} {token_word(least)} per frame pair",
             f"{least} of {most} tokens per pair, the most a vanilla pair has at {planner.limits_text()}",
         )
 
@@ -279,7 +279,7 @@ class FrameSelection(MethodKind):
         return RetentionFloor(
             kept * least / (pairs * most),
             f"keeps at least {fewest} of candidates={spec.candidates} frames, at least min_tokens_per_pair={least} "
-            f"{tokens(least)} per frame pair",
+            f"{token_word(least)} per frame pair",
             f"{kept * least} of {pairs} x {most} tokens, {most} the most a vanilla pair has at {planner.limits_text()}",
         )
 

@@ -262,6 +262,12 @@ def warn_unchecked(settings: SlurmSettings, echo) -> None:
             echo(f"warning: {where(key)} {shown}: SLURM only; --slurm-local neither checks nor applies it")
 
 
+def forget_earlier_attempt(cell_dir: Path) -> None:
+    """Remove an earlier attempt's record and start: they must not stand for the attempt to come."""
+    for name in (CELL_FILE, STARTED_FILE):
+        (cell_dir / name).unlink(missing_ok=True)
+
+
 def submit(executor, spec: SweepSpec, cells: list[Cell], kind: str, attempts: dict, max_attempts: int, watched: bool):
     """Submit `cells` (one sbatch job array when there are several), write their markers; returns
     cell -> job. `attempts[cell]` is the attempt this is."""
@@ -280,9 +286,8 @@ def submit(executor, spec: SweepSpec, cells: list[Cell], kind: str, attempts: di
         )
         for cell in cells
     ]
-    for cell in cells:  # an earlier attempt's record or start must not stand for this one
-        for name in (CELL_FILE, STARTED_FILE):
-            (spec.output / cell.name / name).unlink(missing_ok=True)
+    for cell in cells:
+        forget_earlier_attempt(spec.output / cell.name)
     try:
         with controllers_output(spec.output / SUBMITIT_DIR / CONTROLLER_LOG, kind == LOCAL):
             if len(cells) == 1:
@@ -389,8 +394,7 @@ def hold(spec: SweepSpec, cells: list[Cell], kind: str, attempts: int) -> None:
     for cell in cells:
         cell_dir = spec.output / cell.name
         cell_dir.mkdir(parents=True, exist_ok=True)
-        for name in (CELL_FILE, STARTED_FILE):
-            (cell_dir / name).unlink(missing_ok=True)
+        forget_earlier_attempt(cell_dir)
         key = config_key(spec.configs[cell])
         write_marker(cell_dir, kind, None, 1, attempts, key, held=True, sweep=this_process())
 

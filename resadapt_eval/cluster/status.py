@@ -88,8 +88,7 @@ def cell_states(run_dir: str | Path, ask_scheduler: bool = True) -> list[CellSta
                 retry = marker and marker.get("attempt", 1) < marker.get("attempts", 1) and sweep_alive(marker)
                 cell.state = "retrying" if retry else "interrupted" if record.get("interrupted") else FAILED
                 cell.reason, cell.log = record.get("error"), record.get("log")
-        elif marker and marker.get("job_id") is None and marker["executor"] != "local":
-            # held back by the sweep that watches it (--max-parallel): queued while that sweep runs
+        elif marker.get("held"):  # held back by the sweep that watches it (--max-parallel): queued while it runs
             cell.state = "queued" if sweep_alive(marker) else "interrupted"
             if cell.state == "interrupted":
                 cell.reason = (
