@@ -13,9 +13,9 @@ method and setting it prints:
 - extra_mb: peak memory above what was held before the call (CUDA: `max_memory_allocated`; CPU:
   the process's resident set sampled every 2 ms, so short peaks can be missed);
 - gflops: its work as the run counts it (`measure.counting`);
-- syncs: host-device synchronisations it asked for, counted by a patch of torch.Tensor for the
-  measurement (`.item()`, `int()`/`float()`/`bool()`/`__index__` on a tensor, `.tolist()`, `.cpu()`,
-  `.nonzero()`/`torch.nonzero`): on CPU nothing waits, but each is a sync on a GPU;
+- syncs: host-device synchronisations it asked for (`measure.syncs.counting_syncs`: a tensor read
+  as a number, data-dependent output sizes such as `nonzero` or boolean-mask indexing, `.tolist()`,
+  `.cpu()`): on CPU nothing waits, but each is a sync on a GPU;
 - prefill_s: the vanilla LLM prefill at the same frames, estimated from its FLOPs
   (`estimates.row_flops`) at the matmul rate measured on this device (a 4096^3 float32 GEMM on CPU,
   bfloat16 on CUDA), and own/prefill, the method's cost as a share of it;
@@ -46,35 +46,10 @@ from resadapt_eval.compute.flops import TERA, load_dims
 from resadapt_eval.compute.memory import kv_cache_bytes
 from resadapt_eval.estimates import row_flops, row_plan
 from resadapt_eval.measure.counting import counted_flops
+from resadapt_eval.measure.syncs import counting_syncs
 from resadapt_eval.methods import METHODS
 
 SOURCE_HW = (720, 1280)  # a 720p video, (height, width) in pixels
-SYNC_METHODS = ("item", "tolist", "cpu", "nonzero", "__int__", "__float__", "__bool__", "__index__")
-
-
-@contextmanager
-def counting_syncs():
-    """Count the calls that make a host wait for the device, for the duration of the block."""
-    counts = {"n": 0}
-    saved = {name: getattr(torch.Tensor, name) for name in SYNC_METHODS}
-    saved_nonzero = torch.nonzero
-
-    def counted(original):
-        def call(*args, **kwargs):
-            counts["n"] += 1
-            return original(*args, **kwargs)
-
-        return call
-
-    for name, original in saved.items():
-        setattr(torch.Tensor, name, counted(original))
-    torch.nonzero = counted(saved_nonzero)
-    try:
-        yield counts
-    finally:
-        for name, original in saved.items():
-            setattr(torch.Tensor, name, original)
-        torch.nonzero = saved_nonzero
 
 
 @contextmanager
