@@ -371,7 +371,7 @@ class InLLMPruner(InModel):
     their layer average."""
 
     name = "in-LLM pruner"
-    untimed_work = "its ranking and pruning run inside the LLM's prefill (in first_token_s, not timed apart)"
+    untimed_work = "no compressor stage: its ranking and pruning run inside the LLM (rank_s)"
     stage = INSIDE_LLM
     slots = ("prune",)
 

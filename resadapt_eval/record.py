@@ -37,8 +37,13 @@ class SampleRecord:
     model inputs, resize included), generate_s (this sample's share of the engine call), vision_s (the
     vision tower, inside generate_s or, for a compressor, in preprocess_s; None on vLLM), compress_s (a
     token compressor's own work, within preprocess_s; null where the method has no such stage,
-    compress_s_reason saying why), first_token_s (the engine starting this request to its first token:
-    vision tower and prefill), per_token_s (each later token), peak_memory_mb
+    compress_s_reason saying why), rank_s (an in-LLM pruner's own ranking and pruning inside the
+    prefill, or a decoding-time pruner's ranking and selection over its steps; null for a method
+    without a stage inside the LLM, rank_s_reason saying why), first_token_s (the engine starting
+    this request to its first token: vision tower, a prefill pruner's rank_s and the LLM's
+    prefill), prefill_s (the LLM's prefill alone: first_token_s less the vision tower's part in it and
+    a prefill pruner's rank_s; null on vLLM, whose tower is not timed apart), per_token_s (each
+    later token), peak_memory_mb
     (`measure.clock.peak_memory_mb`: on CUDA `torch.cuda.max_memory_allocated` in MiB since a reset
     before the engine call and, for a token compressor, before it encoded and compressed, the larger of
     the two; None on vLLM).
@@ -96,7 +101,10 @@ class SampleRecord:
     vision_s: float | None = None
     compress_s: float | None = None
     compress_s_reason: str | None = None
+    rank_s: float | None = None
+    rank_s_reason: str | None = None
     first_token_s: float | None = None
+    prefill_s: float | None = None
     per_token_s: float | None = None
     peak_memory_mb: float | None = None
     vision_flops: int = 0
@@ -220,6 +228,9 @@ def build_record(
         record.generate_s = generated.seconds
         engine = generated.engine
         record.first_token_s, record.per_token_s = engine.first_token_s, engine.per_token_s
+        record.rank_s, record.prefill_s = engine.rank_s, engine.prefill_s
+        if engine.rank_s is None:
+            record.rank_s_reason = "no stage inside the LLM"
         record.peak_memory_mb = engine.peak_memory_mb
         if engine.peak_memory_mb is not None and built.peak_memory_mb is not None:  # a compressor's encoding
             record.peak_memory_mb = max(engine.peak_memory_mb, built.peak_memory_mb)

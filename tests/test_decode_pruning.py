@@ -52,6 +52,7 @@ def test_the_first_steps_selection_is_the_eager_maps_top_k(eager_adapters, backb
     tokens = generate(adapter, inputs, pruner, steps=2)
     (step, kept), *_ = pruner.selections
     assert step == 1 and len(kept) == 10
+    assert pruner.seconds() > 0 and len(pruner.work.spans) == 1  # one decoding step ranked (rank_s)
     # the map of the prompt plus the first generated token: its last row is the first decoding step's query
     longer = dict(inputs, input_ids=torch.cat([inputs["input_ids"], tokens[None, :1]], dim=1))
     longer["attention_mask"] = torch.ones_like(longer["input_ids"])

@@ -80,10 +80,10 @@ def test_latency_columns_by_hand():
 
 def test_profile_times_every_stage_and_writes_the_latency_table(fixtures_dir, tmp_path, capsys):
     out = tmp_path / "profile"
-    args = ["profile", "--card", REPO_CARD, "--methods", "vanilla,tome,resadapt", "--frames", "8,16"]
+    args = ["profile", "--card", REPO_CARD, "--methods", "vanilla,tome,fastv,resadapt", "--frames", "8,16"]
     assert main([*args, "--runs", "2", "--warmup", "1", "--max-new-tokens", "4", "--output", str(out)]) == 0
     records = [json.loads(line) for line in (out / "records.jsonl").read_text().splitlines()]
-    assert len(records) == 3 * 2 * 2  # methods x frame counts x runs
+    assert len(records) == 4 * 2 * 2  # methods x frame counts x runs
     for r in records:
         assert r["error"] is None and r["num_frames"] in (8, 16)
         assert 0 < r["vision_s"] <= r["first_token_s"] + r["preprocess_s"]
@@ -97,9 +97,17 @@ def test_profile_times_every_stage_and_writes_the_latency_table(fixtures_dir, tm
             assert r["compress_s_reason"] is None
         else:
             assert r["compress_s"] is None and r["compress_s_reason"].startswith("no compressor stage")
+        if r["method"] == "fastv":  # its ranking and pruning, timed apart inside the time to first token
+            assert 0 < r["rank_s"] and r["rank_s_reason"] is None
+            assert 0 < r["prefill_s"]
+            assert r["prefill_s"] + r["rank_s"] + r["vision_s"] == pytest.approx(r["first_token_s"])
+        else:
+            assert r["rank_s"] is None and r["rank_s_reason"] == "no stage inside the LLM"
+            in_generate = r["vision_s"] if r["method"] != "tome" else 0.0  # tome's tower ran in the build
+            assert 0 < r["prefill_s"] and r["prefill_s"] + in_generate == pytest.approx(r["first_token_s"])
     rows = list(csv.DictReader((out / "latency.csv").open()))
     assert [(r["method"], r["frames"]) for r in rows] == [
-        (m, f) for f in ("8", "16") for m in ("vanilla", "tome", "resadapt")
+        (m, f) for f in ("8", "16") for m in ("vanilla", "tome", "fastv", "resadapt")
     ]
     for row in rows:
         mine = [r for r in records if r["method"] == row["method"] and r["num_frames"] == int(row["frames"])]
@@ -108,6 +116,10 @@ def test_profile_times_every_stage_and_writes_the_latency_table(fixtures_dir, tm
             assert float(row["compress_ms"]) == pytest.approx(1e3 * sum(r["compress_s"] for r in mine) / 2)
         else:
             assert row["compress_ms"] == ""
+        if row["method"] == "fastv":
+            assert float(row["rank_ms"]) == pytest.approx(1e3 * sum(r["rank_s"] for r in mine) / 2)
+        else:
+            assert row["rank_ms"] == ""
         assert float(row["total_tflops"]) == pytest.approx(sum(r["total_flops"] for r in mine) / 2 / 1e12)
     assert "| vanilla | 16 | 100.0% |" in capsys.readouterr().out
     assert (out / "latency.md").is_file() and (out / "profile_video.mp4").is_file()

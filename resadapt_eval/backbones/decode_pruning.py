@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from transformers import DynamicCache
 
 from ..baselines.inside_llm import DecodeStage
+from ..measure.clock import Spans, Stopwatch
 from ..measure.counting import counted_flops
 
 
@@ -62,20 +63,30 @@ class DecodePruner:
     """Prunes one request's visual tokens from the attention of its decoding steps.
 
     language_model: the decoder stack; stage: the `DecodeStage`; visual_positions: (N,) indices of
-    the visual tokens in the prompt. After `generate`, `selections` holds each re-selecting step's
-    (step, kept visual positions), `keys_dropped` the key columns not attended to (over layers and
-    steps) and `flops` the ranking's FLOPs. `layer_tokens` is None: every layer's prefill sees
+    the visual tokens in the prompt; stopwatch: the engine's clock (default: wall clock). After
+    `generate`, `selections` holds each re-selecting step's (step, kept visual positions),
+    `keys_dropped` the key columns not attended to (over layers and steps), `flops` the ranking's
+    FLOPs and `seconds()` the time its steps' ranking and selection took (in decoding, not the
+    prefill: `in_prefill`). `layer_tokens` is None: every layer's prefill sees
     every token. The selection is index bookkeeping on the CPU (a step's attention row comes over
     with one `.cpu()`); the cache and the mask move it to their device."""
 
     layer_tokens = None
+    in_prefill = False
 
-    def __init__(self, language_model, stage: DecodeStage, visual_positions: torch.Tensor):
+    def __init__(
+        self, language_model, stage: DecodeStage, visual_positions: torch.Tensor, stopwatch: Stopwatch | None = None
+    ):
         self.layers, self.stage = language_model.layers, stage
+        self.work = Spans(stopwatch or Stopwatch("cpu"))
         self.visual = visual_positions.cpu()
         self.cache = SelectingCache(stage.layer)
         self.keys_dropped = self.flops = 0
         self.selections: list[tuple[int, torch.Tensor]] = []
+
+    def seconds(self) -> float:
+        """Seconds its decoding steps' ranking and selection took so far."""
+        return self.work.seconds()
 
     def generate_kwargs(self) -> dict:
         """What `generate` takes from this pruner: its cache."""
@@ -107,6 +118,11 @@ class DecodePruner:
         self.cache.selection = None
         if self.query is None:  # prefill
             return None
+        with self.work.timed():
+            self._rank_and_select()
+        return None
+
+    def _rank_and_select(self) -> None:
         self.step += 1
         attention, hidden, (cos, sin) = self.query
         keys = self.cache.layers[self.stage.layer - 1].keys  # the layer before, this step's key included
@@ -118,14 +134,13 @@ class DecodePruner:
         )
         self.previous = visual
         if similar:
-            return None
+            return
         top = self.visual[torch.argsort(visual, descending=True, stable=True)[: self.stage.keep]]
         others = torch.ones(keys.shape[2], dtype=torch.bool)  # cpu: indexed by self.visual, a CPU index
         others[self.visual] = False
         self.cache.selection = torch.cat([torch.nonzero(others).flatten(), top]).sort().values
         self.selections.append((self.step, top.sort().values))
         self.keys_dropped += (len(self.visual) - len(top)) * (len(self.layers) - self.stage.layer)
-        return None
 
     def _cut_mask(self, module, args, kwargs):
         mask = kwargs.get("attention_mask")

@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from ..baselines.inside_llm import STAGE_INPUT, TEXT_AFTER_VISUAL, Stage, layer_counts
+from ..measure.clock import Spans, Stopwatch
 from ..measure.counting import counted_flops
 
 
@@ -104,18 +105,28 @@ class LayerPruner:
     """Prunes one request's visual tokens inside the LLM during one `generate` call.
 
     language_model: the decoder stack (`model.model.language_model`); stages: the schedule;
-    visual_positions: (N,) indices of the visual tokens in the prompt. After the call,
-    `layer_tokens` holds the visual tokens each layer saw and `flops` the ranking's FLOPs.
-    Its index bookkeeping (visual positions, kept indices) is on the CPU: a stage's scores come
+    visual_positions: (N,) indices of the visual tokens in the prompt; stopwatch: the engine's clock
+    (default: wall clock). After the call, `layer_tokens` holds the visual tokens each layer saw,
+    `flops` the ranking's FLOPs and `seconds()` the time its ranking and pruning took, all in the
+    prefill (`in_prefill`). Its index bookkeeping (visual positions, kept indices) is on the CPU: a stage's scores come
     over with one `.cpu()`, and each index moves to the device of the tensor it indexes."""
 
-    def __init__(self, language_model, stages: list[Stage], visual_positions: torch.Tensor):
+    in_prefill = True
+
+    def __init__(
+        self, language_model, stages: list[Stage], visual_positions: torch.Tensor, stopwatch: Stopwatch | None = None
+    ):
         self.layers = language_model.layers
         self.schedule = list(stages)
         self.stages = {s.layer: s for s in stages}
         self.visual = visual_positions.cpu()
         self.layer_tokens = layer_counts(stages, len(self.layers), len(self.visual))
         self.flops = 0
+        self.work = Spans(stopwatch or Stopwatch("cpu"))
+
+    def seconds(self) -> float:
+        """Seconds its ranking and pruning took so far."""
+        return self.work.seconds()
 
     def generate_kwargs(self) -> dict:
         """What `generate` takes from this pruner: nothing (it works through hooks alone)."""
@@ -144,7 +155,9 @@ class LayerPruner:
     def _ranker(self, stage: Stage):
         def hook(module, args, kwargs):
             hidden = args[0] if args else kwargs["hidden_states"]
-            if hidden.shape[1] > 1:  # prefill: rank by the attention the stage asks for
+            if hidden.shape[1] == 1:  # decoding: the ranking is done
+                return
+            with self.work.timed():  # prefill: rank by the attention the stage asks for
                 cos, sin = kwargs["position_embeddings"]
                 if stage.rank_by == TEXT_AFTER_VISUAL:
                     seen = self.kept
@@ -163,13 +176,14 @@ class LayerPruner:
             hidden = args[0] if args else kwargs["hidden_states"]
             prefill = hidden.shape[1] > 1
             if prefill and index in self.stages:
-                if self.stages[index].rank_by == STAGE_INPUT:
-                    rotary = kwargs["position_embeddings"]
-                    if self.kept is not None:  # the tokens entering this layer, at their own positions
-                        rotary = tuple(t[:, self.kept.to(t.device)] for t in rotary)
-                    self.scores, flops = counted_flops(stage_input_attention, module, hidden, *rotary)
-                    self.flops += flops
-                hidden = self._prune(hidden, self.stages[index])
+                with self.work.timed():
+                    if self.stages[index].rank_by == STAGE_INPUT:
+                        rotary = kwargs["position_embeddings"]
+                        if self.kept is not None:  # the tokens entering this layer, at their own positions
+                            rotary = tuple(t[:, self.kept.to(t.device)] for t in rotary)
+                        self.scores, flops = counted_flops(stage_input_attention, module, hidden, *rotary)
+                        self.flops += flops
+                    hidden = self._prune(hidden, self.stages[index])
             if prefill and self.kept is not None:
                 self.kept_by_layer[index] = self.kept
             kept = self.kept_by_layer.get(index)

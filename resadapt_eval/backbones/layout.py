@@ -162,7 +162,10 @@ class EngineOutput:
     (None where the engine does not expose its tower); peak_memory_mb (`measure.clock`);
     layer_visual_tokens: visual tokens in each decoder layer, for a method that prunes inside the
     LLM (None otherwise), and method_flops: the FLOPs its ranking ran; decode_keys_dropped: key
-    columns a decoding-time pruner kept its steps from attending to, summed over layers and steps."""
+    columns a decoding-time pruner kept its steps from attending to, summed over layers and steps;
+    rank_s: seconds an in-LLM or decoding-time pruner's own ranking and selection took (None without
+    one); prefill_s: the LLM's prefill alone, first_token_s less the vision tower and a prefill
+    pruner's rank_s (None where the engine does not expose its tower)."""
 
     text: str
     prompt_ids: list[int]
@@ -174,6 +177,8 @@ class EngineOutput:
     layer_visual_tokens: list[int] | None = None
     method_flops: int = 0
     decode_keys_dropped: int = 0
+    rank_s: float | None = None
+    prefill_s: float | None = None
 
 
 class Backbone(Protocol):

@@ -213,7 +213,9 @@ class QwenVideoAdapter:
     def pruned_inputs(self, inputs: dict, stages) -> PrunedInputs:
         """`inputs` (from `build_inputs`, or `build_compressed_inputs` for a compressor with its own
         stage in the LLM) with a `LayerPruner` running `stages` (the token budget's schedule)."""
-        return PrunedInputs(inputs, LayerPruner(self.model.model.language_model, stages, self.visual_positions(inputs)))
+        return PrunedInputs(
+            inputs, LayerPruner(self.model.model.language_model, stages, self.visual_positions(inputs), self.stopwatch)
+        )
 
     def build_pruned_inputs(self, inputs: dict, schedule, retention: float, layers: list[int] | None) -> PrunedInputs:
         """`pruned_inputs` with the stages `schedule` gives for `retention` on this LLM and the
@@ -226,7 +228,9 @@ class QwenVideoAdapter:
     def decode_pruned_inputs(self, inputs: dict, stage) -> PrunedInputs:
         """`inputs` (from `build_compressed_inputs`) with a `DecodePruner` at `stage` (the token
         budget's `DecodeStage`)."""
-        return PrunedInputs(inputs, DecodePruner(self.model.model.language_model, stage, self.visual_positions(inputs)))
+        return PrunedInputs(
+            inputs, DecodePruner(self.model.model.language_model, stage, self.visual_positions(inputs), self.stopwatch)
+        )
 
     # ------------------------------------------------------------------ generation
     @torch.inference_mode()
@@ -256,14 +260,18 @@ class QwenVideoAdapter:
                 text, tokens = self.generate_ids(inputs, **kwargs, logits_processor=[first], **extra)
                 end = self.stopwatch.mark()
             n_out = int(tokens.numel())
+            first_token_s, vision_s = self.stopwatch.seconds(start, first.first), self.vision_timer.take()
+            rank_s = pruner.seconds() if pruner is not None else None
             outputs.append(
                 EngineOutput(
                     text,
                     inputs["input_ids"][0].tolist(),
                     n_out,
-                    first_token_s=self.stopwatch.seconds(start, first.first),
+                    first_token_s=first_token_s,
                     per_token_s=self.stopwatch.seconds(first.first, end) / (n_out - 1) if n_out > 1 else 0.0,
-                    vision_s=self.vision_timer.take(),
+                    vision_s=vision_s,
+                    rank_s=rank_s,
+                    prefill_s=first_token_s - vision_s - (rank_s if pruner is not None and pruner.in_prefill else 0.0),
                     peak_memory_mb=peak_memory_mb(self.device),
                     layer_visual_tokens=pruner.layer_tokens if pruner is not None else None,
                     method_flops=pruner.flops if pruner is not None else 0,

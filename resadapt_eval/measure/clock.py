@@ -31,6 +31,25 @@ class Stopwatch:
         return end - start
 
 
+class Spans:
+    """Seconds spent inside `timed()` blocks on `stopwatch`'s clock, summed by `seconds()` (CUDA
+    events read once, at the end)."""
+
+    def __init__(self, stopwatch: Stopwatch):
+        self.stopwatch, self.spans = stopwatch, []
+
+    @contextmanager
+    def timed(self):
+        start = self.stopwatch.mark()
+        try:
+            yield
+        finally:
+            self.spans.append((start, self.stopwatch.mark()))
+
+    def seconds(self) -> float:
+        return sum(self.stopwatch.seconds(a, b) for a, b in self.spans)
+
+
 class ModuleTimer:
     """Seconds spent in a module's forward passes while `recording()`, from a pre-hook and a hook
     (public `nn.Module` seams); `take()` returns them and starts again from zero."""

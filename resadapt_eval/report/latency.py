@@ -8,7 +8,9 @@ sum), Inference TFLOPs (vision tower, LLM, a method's own work), TTFT (time to f
 Time (the engine call), Total TFLOPs, E2E Time = Scale Time + Gen. Time. Beside them: Decode
 (reading the video), Build (planning and building the model inputs, resizing excluded; a
 compressor's encode included), Vision (the vision tower, where the engine exposes it), Compress (a
-token compressor's own work, part of Build; empty for methods without one), per output
+token compressor's own work, part of Build; empty for methods without one), Rank (an in-LLM
+pruner's ranking and pruning, part of TTFT, or a decoding-time pruner's over its steps), Prefill
+(the LLM's prefill alone: TTFT less the vision tower and the in-LLM ranking), per output
 token, peak memory (MiB), and the samples averaged. The change against vanilla at the same frame
 count is printed as in the paper (negative: faster or cheaper).
 """
@@ -42,6 +44,8 @@ COLUMNS = (
     "build_ms",
     "vision_ms",
     "compress_ms",
+    "rank_ms",
+    "prefill_ms",
     "per_token_ms",
     "peak_memory_mb",
     "samples",
@@ -71,6 +75,8 @@ def latency_row(method: str, frames: int, records: list[dict]) -> dict:
         ("decode_ms", "decode_s"),
         ("vision_ms", "vision_s"),
         ("compress_ms", "compress_s"),
+        ("rank_ms", "rank_s"),
+        ("prefill_ms", "prefill_s"),
         ("per_token_ms", "per_token_s"),
     ):
         row[column] = _mean(done, key, MS)
