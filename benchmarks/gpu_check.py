@@ -14,10 +14,11 @@ reports (grids, kept tokens, per-layer counts); FLOPs parts summing to the total
 prunes only inside the LLM and cannot reach --retention on this LLM (the layers before its first
 default stage see every token: PyramidDrop's default stages stop just above 0.25) runs at the next
 0.05 above its floor; the table says so. Measured against vanilla at the same frame count: vision
-tower, prefill (time to first token less the tower where it runs inside generate), decode (every
-token after the first), end to end (the pipeline's whole request: decoding the video, planning,
+tower, the method's own work (`compress_s` + `rank_s`), prefill (the LLM's prefill alone: `prefill_s`),
+decode (every token after the first), end to end (the pipeline's whole request: decoding the video, planning,
 resizing, any compressor, generation) and peak memory (CUDA: allocated during the request; CPU: the
-process's peak RSS so far).
+process's peak RSS so far). First, the frames resized on the device (`resize_frames(device=...)`)
+against the same frames resized on the CPU: the exact path must agree within one uint8 level.
 
     python benchmarks/gpu_check.py                       # CUDA: writes results/gpu/<gpu-name>.md
     python benchmarks/gpu_check.py --device cpu          # the reduced-depth models at 8 frames
@@ -44,6 +45,7 @@ from pathlib import Path
 
 import torch
 
+from resadapt_eval.backbones.layout import RESIZES, resize_frames
 from resadapt_eval.backbones.qwen import ADAPTERS
 from resadapt_eval.budget.plan import InfeasibleBudget
 from resadapt_eval.compute.flops import dims_from_config
@@ -55,6 +57,7 @@ from resadapt_eval.pipeline import FLOOR_PROBE_TOKENS, Request, VideoPipeline
 from resadapt_eval.profile import synthetic_video
 from resadapt_eval.report.latency import latency_rows, to_markdown
 from resadapt_eval.runspec import config_from_model_args
+from resadapt_eval.video import decode_video
 
 REPO = Path(__file__).resolve().parents[1]
 HF_METHODS = [name for name, method in METHODS.items() if method.hf]
@@ -262,13 +265,18 @@ def measures(run: Run) -> dict | None:
     done = [r for r in run.records if r["error"] is None]
     if not done:
         return None
-    vision_inside = METHODS[run.method].stage != AFTER_MERGER  # a compressor encodes before generate
+    own = [
+        1e3 * ((r["compress_s"] or 0) + (r["rank_s"] or 0))
+        for r in done
+        if r["compress_s"] is not None or r["rank_s"] is not None
+    ]
     return dict(
         R=_mean([r["achieved_retention"] for r in done]),
         visual=_mean([r["visual_tokens"] for r in done]),
         tflops=_mean([r["total_flops"] / 1e12 for r in done]),
         vision=_mean([1e3 * r["vision_s"] for r in done if r["vision_s"] is not None]),
-        prefill=_mean([1e3 * (r["first_token_s"] - ((r["vision_s"] or 0) if vision_inside else 0)) for r in done]),
+        own=_mean(own),
+        prefill=_mean([1e3 * r["prefill_s"] for r in done]),
         decode=_mean([1e3 * r["per_token_s"] * max(0, r["output_tokens"] - 1) for r in done]),
         e2e=_mean([1e3 * s for s, r in zip(run.e2e_s, run.records) if r["error"] is None]),
         peak=max(run.peak_mb),
@@ -285,16 +293,16 @@ def _vs(ours, theirs) -> str:
 
 def table(runs: list[Run]) -> str:
     header = (
-        "| method | frames | target R | R | visual tokens | TFLOPs (x vanilla) | vision ms | prefill ms | decode ms "
-        "| e2e ms (vs vanilla) | peak MiB (vs vanilla) | check |"
+        "| method | frames | target R | R | visual tokens | TFLOPs (x vanilla) | vision ms | own ms | prefill ms "
+        "| decode ms | e2e ms (vs vanilla) | peak MiB (vs vanilla) | check |"
     )
-    lines = [header, "|" + "---|" * 12]
+    lines = [header, "|" + "---|" * 13]
     vanilla = {run.frames: measures(run) for run in runs if run.method == "vanilla"}
     for run in runs:
         m, base = measures(run), vanilla.get(run.frames) or {}
         check = "ok" if not run.problems else "FAIL"
         if m is None:
-            lines.append(f"| {run.method} | {run.frames} | {_fmt(run.target, 'g')} |" + " -- |" * 8 + f" {check} |")
+            lines.append(f"| {run.method} | {run.frames} | {_fmt(run.target, 'g')} |" + " -- |" * 9 + f" {check} |")
             continue
         ratio = f" ({m['tflops'] / base['tflops']:.3f}x)" if base.get("tflops") else ""
         cells = (
@@ -305,6 +313,7 @@ def table(runs: list[Run]) -> str:
             f"{m['visual']:.0f}",
             f"{m['tflops']:.2f}{ratio}",
             _fmt(m["vision"]),
+            _fmt(m["own"]),
             _fmt(m["prefill"]),
             _fmt(m["decode"]),
             f"{m['e2e']:.1f}{_vs(m['e2e'], base.get('e2e'))}",
@@ -340,8 +349,10 @@ def report(args, runs: list[Run], name: str, notes: list[str]) -> str:
         f"Source: a synthetic {args.size[0]}x{args.size[1]} video; {args.max_new_tokens} generated tokens; "
         f"{args.warmup} untimed and {args.runs} timed request(s) per row; target R {args.retention} "
         "(a method pruning only inside the LLM that cannot reach it runs at the next 0.05 above its floor).",
-        "Columns: vision = the vision tower; prefill = time to first token less the tower where it runs inside "
-        "generate; decode = every token after the first; e2e = the whole request (video decode, planning, "
+        "Columns: vision = the vision tower; own = the method's own work (a compressor's `compress_s` plus an "
+        "in-LLM or decoding pruner's `rank_s`; -- where it has none); prefill = the LLM's prefill alone (time to "
+        "first token less the tower where it runs inside generate and the in-LLM ranking, `prefill_s`); "
+        "decode = every token after the first; e2e = the whole request (video decode, planning, "
         "resizing, any compressor, generation); peak = "
         + ("CUDA memory allocated during the request." if args.device == "cuda" else "the process's peak RSS so far."),
         "",
@@ -393,10 +404,31 @@ def main(argv: list[str] | None = None) -> int:
     return 1 if any(run.problems for run in runs) else 0
 
 
+def resize_check(args, video: str) -> tuple[Run, str]:
+    """The video's frames resized to a 7B plan's 896x504 on `args.device` and on the CPU (exact and
+    fast): a run whose problem is an exact difference above one uint8 level, and a note of both."""
+    frames = decode_video(video, min(args.frames)).frames
+    run, parts = Run("(all)", "-", "resize on the device", len(frames), None), []
+    for mode in RESIZES:
+        t0 = time.perf_counter()
+        here = resize_frames(frames, 504, 896, mode, args.device)
+        seconds = time.perf_counter() - t0
+        difference = (here.int() - resize_frames(frames, 504, 896, mode).int()).abs()
+        parts.append(
+            f"{mode}: max {int(difference.max())}, mean {float(difference.float().mean()):.3f} uint8 levels from the "
+            f"CPU's, {1e3 * seconds / len(frames):.1f} ms a frame"
+        )
+        if mode == "exact" and difference.max() > 1:
+            run.problems.append(f"exact resize on {args.device} is {int(difference.max())} uint8 levels off the CPU's")
+    return run, f"frames resized on {args.device} to 896x504 ({len(frames)} frames): " + "; ".join(parts)
+
+
 def check_all(args, video: str) -> tuple[list[Run], list[str]]:
-    """Every configuration, backbone by backbone and attention by attention: the runs and notes."""
+    """The resize check, then every configuration, backbone by backbone and attention by attention: the
+    runs and notes."""
     methods = ["vanilla"] + [m for m in args.methods if m != "vanilla"]  # vanilla first: the baseline of each row
-    runs, notes = [], []
+    resized, note = resize_check(args, video)
+    runs, notes = ([resized] if resized.problems else []), [note]
     for backbone_name in args.backbones:
         for attn in args.attn:
             start = time.perf_counter()

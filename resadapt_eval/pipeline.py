@@ -266,12 +266,12 @@ class VideoPipeline:
         t0 = time.perf_counter()
         if decoded.images:
             frames = [item.frames[0] for item in planned.items]
-            resized = self.layout.resized_images(frames, list(planned.plans), self.spec.resize)
+            resized = self.layout.resized_images(frames, list(planned.plans), self.spec.resize, self.backbone.device)
             resize_s = time.perf_counter() - t0
             inputs = ModelInputs(self.backbone.build_image_inputs(request.prompt, frames, list(planned.plans), resized))
         else:
             (video,), (plan,) = planned.items, planned.plans
-            pairs = self.layout.resized_pairs(video, plan, self.spec.resize)
+            pairs = self.layout.resized_pairs(video, plan, self.spec.resize, self.backbone.device)
             resize_s = time.perf_counter() - t0
             inputs = self.kind.build(self.spec, self.backbone, request.prompt, video, plan, pairs, budget)
         seconds = time.perf_counter() - t0

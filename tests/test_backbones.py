@@ -141,3 +141,18 @@ def test_prompt_without_a_video_placeholder_is_rejected(adapters):
     plan = plan_from_scales([1.0, 1.0], (56, 56), adapter.grid)
     with pytest.raises(ValueError, match="exactly one <\\|video_pad\\|>"):
         adapter.build_inputs("no video here", video, plan)
+
+
+@pytest.mark.parametrize("mode", ["exact", "fast"])
+def test_pairs_of_one_size_are_resized_in_one_batch_with_the_same_pixels_as_one_by_one(adapters, mode):
+    """`resized_pairs` batches every pair of a size; resizing is per frame, so the pixels are those of
+    resizing each pair alone, in the plan's pair order (an odd tail repeats its last frame)."""
+    adapter = adapters["qwen25vl"]
+    video = synthetic_video(7)
+    px = adapter.grid.token_px
+    plan = plan_from_scales([1.0, 1.0, 0.5, 0.5, 1.0, 1.0, 1.5], (4 * px, 5 * px), adapter.grid)
+    assert len(set(plan.pair_sizes)) < len(plan.pair_sizes)  # two pairs share a size
+    pairs = adapter.layout.resized_pairs(video, plan, mode)
+    assert [tuple(p.shape) for p in pairs] == [(2, 3, h, w) for h, w in plan.pair_sizes]
+    for pair, group, (h, w) in zip(pairs, plan.pair_frames, plan.pair_sizes):
+        assert torch.equal(pair, resize_frames(video.frames[list(group)], h, w, mode))

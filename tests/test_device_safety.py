@@ -363,10 +363,11 @@ def test_the_in_llm_rankings_and_merge_run_on_the_llm_s_device(tiny_models, fami
 @pytest.mark.parametrize("rank_by", ["last_token", "stage_input"])
 def test_a_pruning_stage_runs_through_its_layer_on_the_llm_s_device(tiny_models, family, rank_by):
     """The prefill up to the layer after the stage: ranking in the layer before (or the stage's own
-    input), the CPU selection, the pruned hidden states, rotary, positions and mask in the stage's
+    input), the selection on the device, the pruned hidden states, rotary, positions and mask in the stage's
     layer. The next layer's hook asks whether the pruned length is above 1, a question about data."""
     from resadapt_eval.backbones.layer_pruning import LayerPruner
     from resadapt_eval.baselines.inside_llm import Stage
+    from resadapt_eval.measure.syncs import SyncCounter
 
     class Stop(Exception):
         pass
@@ -383,16 +384,18 @@ def test_a_pruning_stage_runs_through_its_layer_on_the_llm_s_device(tiny_models,
         hidden, positions, _ = text_inputs(model, 20)
         pruner = LayerPruner(language_model, [Stage(4, 5, rank_by=rank_by)], torch.arange(4, 16, device="cuda"))
         language_model.layers[5].register_forward_pre_hook(stop, with_kwargs=True, prepend=True)
-        with torch.no_grad(), pruner.attached(), pytest.raises(Stop):
+        with torch.no_grad(), pruner.attached(), SyncCounter(device_only=True) as syncs, pytest.raises(Stop):
             language_model(inputs_embeds=hidden, position_ids=positions, use_cache=False)
     assert on_fake_cuda(entering["hidden"])
-    assert pruner.kept.device == CPU and pruner.kept_by_layer[4] is pruner.kept
+    assert syncs.count == 0  # the prefill, ranking and pick included, never reads the device on the host
+    assert pruner.kept.device == CUDA and pruner.kept_by_layer[4] is pruner.kept
 
 
 @pytest.mark.parametrize("family", ["qwen25vl", "qwen3vl"])
 def test_a_decoding_step_selects_the_visual_keys_on_the_llm_s_device(tiny_models, family):
     """DyCoke's decoding stage: the prefill, then the first decoding step (ranking in the layer before
-    the stage, the CPU selection, the selecting cache and the cut mask from the stage on). Later steps
+    the stage, the CPU selection moved to the cache's device once, the selecting cache and the cut mask
+    from the stage on). Later steps
     compare the attention with the previous step's, a question about data."""
     from resadapt_eval.backbones.decode_pruning import DecodePruner
     from resadapt_eval.baselines.inside_llm import DecodeStage
@@ -411,7 +414,7 @@ def test_a_decoding_step_selects_the_visual_keys_on_the_llm_s_device(tiny_models
                 **pruner.generate_kwargs(),
             )
     assert on_fake_cuda(step.last_hidden_state)
-    assert pruner.cache.selection.device == CPU and len(pruner.selections) == 1
+    assert pruner.cache.selection.device == CUDA and len(pruner.selections) == 1
     assert pruner.keys_dropped == (12 - stage.keep) * (len(language_model.layers) - stage.layer)
 
 
@@ -490,3 +493,36 @@ def test_the_compressors_device_side_kernels_stay_on_the_features_device(name, k
         feats = torch.nn.functional.normalize(torch.randn(64, 8, device="cuda"), dim=-1)
         outputs = kernel(feats, torch.rand(64, device="cuda"))
     assert len(outputs) > 0 and all(isinstance(t, FakeTensor) and t.device == device for t in outputs)
+
+
+class KernelDevices(TorchDispatchMode):
+    """The devices each aten op ran on, by op name."""
+
+    def __init__(self):
+        super().__init__()
+        self.devices: dict[str, set] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if torch.is_tensor(out):
+            self.devices.setdefault(func.__name__, set()).add(out.device)
+        return out
+
+
+@pytest.mark.parametrize("mode", ["exact", "fast"])
+def test_the_frames_are_resized_on_the_model_s_device_in_chunks_and_come_back_to_the_cpu(mode, monkeypatch):
+    """resize_frames(device="cuda"): the antialiased bicubic kernel runs on the CUDA device, a chunk of
+    frames at a time (a chunk's float32 copy within RESIZE_CHUNK_BYTES), and the uint8 frames the
+    processor reads come back on the CPU."""
+    import numpy as np
+
+    from resadapt_eval.backbones import layout
+
+    frames = np.zeros((6, 72, 128, 3), dtype=np.uint8)
+    monkeypatch.setattr(layout, "RESIZE_CHUNK_BYTES", 4 * 3 * 72 * 128 * 4)  # four frames a chunk
+    with fake_cuda(), KernelDevices() as seen:
+        out = layout.resize_frames(frames, 56, 84, mode, device="cuda")
+    assert out.shape == (6, 3, 56, 84) and out.dtype == torch.uint8 and out.device == CPU
+    bicubic = [name for name in seen.devices if "bicubic" in name]
+    assert bicubic and all(seen.devices[name] == {CUDA} for name in bicubic)
+    assert seen.devices["_to_copy.default"] >= {CUDA, CPU}  # there and back

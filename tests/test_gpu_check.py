@@ -44,6 +44,10 @@ def test_gpu_check_on_cpu_writes_the_report_and_exits_0_only_when_every_check_ho
         assert all(
             float(row[c].split()[0]) > 0 for c in ("vision ms", "prefill ms", "decode ms", "e2e ms (vs vanilla)")
         )
+    # the method's own work: none for vanilla, the compressor's and FastV's ranking timed apart
+    assert rows["vanilla"]["own ms"] == "--" and float(rows["fastv"]["own ms"]) > 0
+    assert float(rows["random_drop"]["own ms"]) >= 0
+    assert "frames resized on cpu to 896x504 (4 frames): exact: max 0, mean 0.000 uint8 levels" in text
     # random_drop: the whole tower, a quarter of the tokens in the LLM
     assert 0.3 < float(rows["random_drop"]["TFLOPs (x vanilla)"].split("(")[1].rstrip("x)")) < 1
     assert "## The paper's latency columns" in text

@@ -69,7 +69,8 @@ class DecodePruner:
     FLOPs and `seconds()` the time its steps' ranking and selection took (in decoding, not the
     prefill: `in_prefill`). `layer_tokens` is None: every layer's prefill sees
     every token. The selection is index bookkeeping on the CPU (a step's attention row comes over
-    with one `.cpu()`); the cache and the mask move it to their device."""
+    with one `.cpu()`, the one sync a step, as in the reference); it moves to the cache's device
+    once a step, and every layer from the stage on reads it there."""
 
     layer_tokens = None
     in_prefill = False
@@ -138,7 +139,8 @@ class DecodePruner:
         top = self.visual[torch.argsort(visual, descending=True, stable=True)[: self.stage.keep]]
         others = torch.ones(keys.shape[2], dtype=torch.bool)  # cpu: indexed by self.visual, a CPU index
         others[self.visual] = False
-        self.cache.selection = torch.cat([torch.nonzero(others).flatten(), top]).sort().values
+        selection = torch.cat([torch.nonzero(others).flatten(), top]).sort().values
+        self.cache.selection = selection.to(keys.device)  # once a step, not once a layer
         self.selections.append((self.step, top.sort().values))
         self.keys_dropped += (len(self.visual) - len(top)) * (len(self.layers) - self.stage.layer)
 

@@ -88,7 +88,9 @@ def merge_into_nearest(hidden: torch.Tensor, kept: torch.Tensor, dropped: torch.
     h = hidden[0]
     similarity = F.normalize(h[dropped].float(), dim=-1) @ F.normalize(h[kept].float(), dim=-1).T
     target = similarity.argmax(dim=-1)  # (D,) index into kept, dropped in increasing order
-    counts = torch.bincount(target, minlength=len(kept))  # m per kept token
+    counts = torch.zeros(len(kept), dtype=torch.long, device=target.device).index_add_(
+        0, target, torch.ones_like(target)
+    )  # m per kept token (bincount would read its maximum on the host)
     order = torch.argsort(target, stable=True)  # dropped grouped by target, in token order
     rank = torch.empty_like(order)
     starts = torch.cumsum(counts, 0) - counts
@@ -108,8 +110,11 @@ class LayerPruner:
     visual_positions: (N,) indices of the visual tokens in the prompt; stopwatch: the engine's clock
     (default: wall clock). After the call, `layer_tokens` holds the visual tokens each layer saw,
     `flops` the ranking's FLOPs and `seconds()` the time its ranking and pruning took, all in the
-    prefill (`in_prefill`). Its index bookkeeping (visual positions, kept indices) is on the CPU: a stage's scores come
-    over with one `.cpu()`, and each index moves to the device of the tensor it indexes."""
+    prefill (`in_prefill`). Its index bookkeeping runs on the hidden states' device from the first
+    stage on (the visual and text positions copied there once): the ranking, the pick and every later
+    layer's cut of the rotary, positions and mask read device indices, so a prefill makes no host
+    sync (the text after the video, which PruneVid ranks by, is never pruned: its length is known on
+    the host)."""
 
     in_prefill = True
 
@@ -119,7 +124,7 @@ class LayerPruner:
         self.layers = language_model.layers
         self.schedule = list(stages)
         self.stages = {s.layer: s for s in stages}
-        self.visual = visual_positions.cpu()
+        self.visual = visual_positions.cpu()  # host-side facts: the last visual position, the text positions
         self.layer_tokens = layer_counts(stages, len(self.layers), len(self.visual))
         self.flops = 0
         self.work = Spans(stopwatch or Stopwatch("cpu"))
@@ -159,11 +164,9 @@ class LayerPruner:
                 return
             with self.work.timed():  # prefill: rank by the attention the stage asks for
                 cos, sin = kwargs["position_embeddings"]
-                if stage.rank_by == TEXT_AFTER_VISUAL:
-                    seen = self.kept
-                    if seen is None:
-                        seen = torch.arange(hidden.shape[1])  # cpu: prompt indices, as self.kept and self.visual
-                    after = int(torch.nonzero(torch.isin(seen, self.visual)).max()) + 1
+                if stage.rank_by == TEXT_AFTER_VISUAL:  # the text after the video: never pruned
+                    prompt_length = hidden.shape[1] if self.kept is None else self.prompt_length
+                    after = hidden.shape[1] - (prompt_length - 1 - int(self.visual[-1]))  # positions ascend
                     self.scores, flops = counted_flops(text_attention, module, hidden, cos, sin, after)
                 else:
                     self.scores, flops = counted_flops(last_token_attention, module, hidden, cos, sin)
@@ -180,7 +183,7 @@ class LayerPruner:
                     if self.stages[index].rank_by == STAGE_INPUT:
                         rotary = kwargs["position_embeddings"]
                         if self.kept is not None:  # the tokens entering this layer, at their own positions
-                            rotary = tuple(t[:, self.kept.to(t.device)] for t in rotary)
+                            rotary = tuple(t[:, self.kept] for t in rotary)
                         self.scores, flops = counted_flops(stage_input_attention, module, hidden, *rotary)
                         self.flops += flops
                     hidden = self._prune(hidden, self.stages[index])
@@ -191,15 +194,14 @@ class LayerPruner:
                 return None
             kwargs = dict(kwargs)
             if prefill:
-                kwargs["position_embeddings"] = tuple(t[:, kept.to(t.device)] for t in kwargs["position_embeddings"])
+                kwargs["position_embeddings"] = tuple(t[:, kept] for t in kwargs["position_embeddings"])
                 if torch.is_tensor(kwargs.get("position_ids")):
-                    kwargs["position_ids"] = kwargs["position_ids"][:, kept.to(kwargs["position_ids"].device)]
+                    kwargs["position_ids"] = kwargs["position_ids"][:, kept]
             mask = kwargs.get("attention_mask")
             if torch.is_tensor(mask):
-                generated = torch.arange(self.prompt_length, mask.shape[-1])  # cpu: indices, as `kept`
-                columns = torch.cat([kept, generated]).to(mask.device)
-                mask = mask[..., columns]
-                kwargs["attention_mask"] = mask[..., kept.to(mask.device), :] if prefill else mask
+                generated = torch.arange(self.prompt_length, mask.shape[-1], device=kept.device)
+                mask = mask[..., torch.cat([kept, generated])]
+                kwargs["attention_mask"] = mask[..., kept, :] if prefill else mask
             args = (hidden, *args[1:]) if args else args
             if not args:
                 kwargs["hidden_states"] = hidden
@@ -208,23 +210,26 @@ class LayerPruner:
         return hook
 
     def _prune(self, hidden: torch.Tensor, stage: Stage) -> torch.Tensor:
-        """Keep the `stage.keep` visual tokens of the current sequence with the highest scores
-        (the dropped ones merged into them first, with `stage.merge`)."""
+        """Keep the `stage.keep` visual tokens of the current sequence with the highest scores, in
+        sequence order, ties to the earlier token (the dropped ones merged into them first, with
+        `stage.merge`). Prompt positions: `kept` (every token the layer sees), `visual_kept` (its
+        visual ones) and `text` (never pruned), sorted, on the hidden states' device."""
         if self.kept is None:
             self.prompt_length = hidden.shape[1]
-            self.kept = torch.arange(self.prompt_length)  # cpu: prompt indices, as self.visual
-        is_visual = torch.isin(self.kept, self.visual)
-        local_visual = torch.nonzero(is_visual).flatten()
-        scores = self.scores.cpu()[local_visual]
-        ranked = torch.argsort(scores, descending=True, stable=True)
-        top = local_visual[ranked[: stage.keep]]
+            is_text = torch.ones(self.prompt_length, dtype=torch.bool)  # cpu: a mask of the cpu positions
+            is_text[self.visual] = False
+            self.kept = torch.arange(self.prompt_length, device=hidden.device)
+            self.visual_kept = self.visual.to(hidden.device)
+            self.text = torch.nonzero(is_text).flatten().to(hidden.device)
+        local_visual = torch.searchsorted(self.kept, self.visual_kept)
+        ranked = torch.argsort(self.scores[local_visual], descending=True, stable=True)
+        top = self.visual_kept[ranked[: stage.keep]].sort().values
         if stage.merge:
-            dropped = local_visual[ranked[stage.keep :]].sort().values
-            top_sorted = top.sort().values
-            hidden, flops = counted_flops(
-                merge_into_nearest, hidden, top_sorted.to(hidden.device), dropped.to(hidden.device)
-            )
+            dropped = self.visual_kept[ranked[stage.keep :]].sort().values
+            top_local, dropped_local = torch.searchsorted(self.kept, top), torch.searchsorted(self.kept, dropped)
+            hidden, flops = counted_flops(merge_into_nearest, hidden, top_local, dropped_local)
             self.flops += flops
-        local = torch.cat([torch.nonzero(~is_visual).flatten(), top]).sort().values
-        self.kept = self.kept[local]
-        return hidden[:, local.to(hidden.device)]
+        kept = torch.cat([self.text, top]).sort().values
+        local = torch.searchsorted(self.kept, kept)
+        self.kept, self.visual_kept = kept, top
+        return hidden[:, local]

@@ -31,17 +31,28 @@ VIDEO_TOKEN_TYPE = 2  # mm_token_type_ids: text 0, image 1, video 2
 
 
 RESIZES = ("exact", "fast")  # model_args resize=: how frames are resized to their planned sizes
+RESIZE_CHUNK_BYTES = 256 * 2**20  # the float32 copy of the source frames one resize call may hold
 
 
-def resize_frames(frames: np.ndarray, height: int, width: int, mode: str = "exact") -> torch.Tensor:
-    """Bicubic, antialiased resize of uint8 frames (T, H, W, 3) to (T, 3, height, width) uint8.
+def resize_frames(
+    frames: np.ndarray, height: int, width: int, mode: str = "exact", device: torch.device | str = "cpu"
+) -> torch.Tensor:
+    """Bicubic, antialiased resize of uint8 frames (T, H, W, 3) to (T, 3, height, width) uint8 on
+    the CPU, computed on `device` (the model's; a CUDA device resizes there), in chunks whose float32
+    copy stays within `RESIZE_CHUNK_BYTES`.
     exact: torchvision's v1 `resize`, in float arithmetic, the interpolation qwen-vl-utils uses when
-    it fetches videos; fast: torchvision v2's uint8 kernel on the same frames, several times faster on
-    CPU, its pixels a few uint8 levels off exact's (`benchmarks/method_cost.py` measures both)."""
+    it fetches videos (on CUDA the same float operations: within one uint8 level of the CPU's);
+    fast: torchvision v2's uint8 kernel on the same frames, several times faster on CPU, its pixels
+    a few uint8 levels off exact's (`benchmarks/method_cost.py` measures both)."""
     video = torch.from_numpy(np.ascontiguousarray(frames)).permute(0, 3, 1, 2)
     if video.shape[-2:] == (height, width):
         return video
-    if mode == "fast":
+    chunk = max(1, RESIZE_CHUNK_BYTES // (4 * video[0].numel()))
+    return torch.cat([_resized(part.to(device), height, width, mode).cpu() for part in video.split(chunk)])
+
+
+def _resized(video: torch.Tensor, height: int, width: int, mode: str) -> torch.Tensor:
+    if mode == "fast":  # its uint8 kernel reads (T, 3, H, W) contiguous frames
         return resize_uint8(
             video.contiguous(), [height, width], interpolation=InterpolationMode.BICUBIC, antialias=True
         )
@@ -87,18 +98,28 @@ class QwenLayout:
             raise ValueError(f"the prompt must hold exactly one {VIDEO_PAD}, found {prompt.count(VIDEO_PAD)}")
         return prompt.replace(VIDEO_PAD, VIDEO_PAD * num_pairs)
 
-    def resized_pairs(self, video: DecodedVideo, plan: ResizePlan, mode: str = "exact") -> list[torch.Tensor]:
-        """Each pair's frames (2, 3, h, w) uint8 at its planned size in pixels (`resize_frames`' `mode`)."""
-        return [
-            resize_frames(video.frames[list(group)], h, w, mode)
-            for group, (h, w) in zip(plan.pair_frames, plan.pair_sizes)
-        ]
+    def resized_pairs(
+        self, video: DecodedVideo, plan: ResizePlan, mode: str = "exact", device: torch.device | str = "cpu"
+    ) -> list[torch.Tensor]:
+        """Each pair's frames (2, 3, h, w) uint8 at its planned size in pixels, on the CPU
+        (`resize_frames`' `mode`, computed on `device`): the frames of every pair of one size
+        resized in one batch."""
+        by_size: dict[tuple[int, int], list[int]] = {}
+        for k, hw in enumerate(plan.pair_sizes):
+            by_size.setdefault(tuple(hw), []).append(k)
+        pairs: list[torch.Tensor] = [None] * len(plan.pair_sizes)
+        for (h, w), members in by_size.items():
+            groups = [list(plan.pair_frames[k]) for k in members]
+            resized = resize_frames(video.frames[[i for g in groups for i in g]], h, w, mode, device)
+            for k, part in zip(members, resized.split([len(g) for g in groups])):
+                pairs[k] = part
+        return pairs
 
     def resized_images(
-        self, images: list[np.ndarray], plans: list[ResizePlan], mode: str = "exact"
+        self, images: list[np.ndarray], plans: list[ResizePlan], mode: str = "exact", device: torch.device | str = "cpu"
     ) -> list[torch.Tensor]:
-        """Each uint8 image (H, W, 3) at its one-pair plan's size, (3, h, w) uint8."""
-        return [resize_frames(image[None], *plan.pair_sizes[0], mode)[0] for image, plan in zip(images, plans)]
+        """Each uint8 image (H, W, 3) at its one-pair plan's size, (3, h, w) uint8 on the CPU."""
+        return [resize_frames(image[None], *plan.pair_sizes[0], mode, device)[0] for image, plan in zip(images, plans)]
 
     def pair_metadata(self, video: DecodedVideo, plan: ResizePlan) -> list[VideoMetadata]:
         raise NotImplementedError

@@ -46,17 +46,26 @@ def is_sync(func, args, kwargs) -> bool:
 
 
 class SyncCounter(TorchDispatchMode):
-    """`count`: the synchronising aten calls seen so far (see the module docstring)."""
+    """`count`: the synchronising aten calls seen so far (see the module docstring); with
+    `device_only`, only those reading a tensor off the CPU (where CPU-side bookkeeping is meant to
+    stay on the CPU and the rest runs on a fake or real accelerator)."""
 
-    def __init__(self):
+    def __init__(self, device_only: bool = False):
         super().__init__()
-        self.count = 0
+        self.count, self.device_only = 0, device_only
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if is_sync(func, args, kwargs):
+        if is_sync(func, args, kwargs) and (not self.device_only or _off_cpu(args)):
             self.count += 1
         return func(*args, **kwargs)
+
+
+def _off_cpu(args) -> bool:
+    tensors = [a for a in args if torch.is_tensor(a)] + [
+        t for a in args if isinstance(a, (list, tuple)) for t in a if torch.is_tensor(t)
+    ]
+    return any(t.device.type != "cpu" for t in tensors)
 
 
 @contextmanager
