@@ -1,21 +1,31 @@
-"""Each token compressor's own work at a real model's size, beside the prefill it shortens.
+"""Every method's own work at a real model's size, beside the prefill it shortens.
 
     .venv/bin/python benchmarks/method_cost.py --backbone qwen25vl-7b --frames 128 --retention 0.25
     .venv/bin/python benchmarks/method_cost.py --frames 16 --retention 0.25 --input-side
 
-For every registered method with a compressor (`Method.compress`; `--methods` to choose), on
-synthetic merged tokens of the backbone's real shapes: the frames of a 1280x720 video planned as the
-pipeline plans them (the default 768-token base size: 896x504 here, 576 tokens a pair), features of
-the LLM's width, the vision tower's received attention and keys where the method reads them. Per
-method and setting it prints:
+On synthetic tensors of the backbone's real shapes, for the frames of a 1280x720 video planned as the
+pipeline plans them (`estimates.row_plan`: the default 768-token base size, the method's own token
+budget), each method's work without the backbone:
+- compress: a compressor's `compress` call (`Method.compress`) on merged tokens of the LLM's width,
+  with the vision tower's received attention and keys where it reads them, keeping the tokens its
+  token budget lets enter the LLM;
+- in-LLM: the ranking and pruning of every stage of its schedule (FastV, PyramidDrop, the second
+  stages of PruneVid and HoliTom), through the same `LayerPruner` hooks a run uses, on one decoder
+  layer of the real width (random weights) and hidden states of the real prompt length;
+- decode step: DyCoke's per-step ranking and selection (`DecodePruner`) over the prompt's cached keys.
 
-- own_s: its `compress` call, median of `--repeats` after a warm-up (on CUDA, synchronised);
+Per method, stage and setting it prints:
+- own_s: the median of `--repeats` after a warm-up (on CUDA, synchronised);
 - extra_mb: peak memory above what was held before the call (CUDA: `max_memory_allocated`; CPU:
   the process's resident set sampled every 2 ms, so short peaks can be missed);
 - gflops: its work as the run counts it (`measure.counting`);
 - syncs: host-device synchronisations it asked for (`measure.syncs.counting_syncs`: a tensor read
   as a number, data-dependent output sizes such as `nonzero` or boolean-mask indexing, `.tolist()`,
-  `.cpu()`): on CPU nothing waits, but each is a sync on a GPU;
+  `.cpu()`): on CPU nothing waits, but each is a sync on a GPU; on this CPU the count includes
+  bookkeeping on tensors meant to stay on the CPU (the in-LLM pruner's text positions, DyCoke's
+  selection), which on a GPU is no sync;
+- loops: Python loop iterations in the package's own code during the call (backward jumps of its
+  bytecode, comprehensions included, traced once): an upper bound on the iterations touching tensors;
 - prefill_s: the vanilla LLM prefill at the same frames, estimated from its FLOPs
   (`estimates.row_flops`) at the matmul rate measured on this device (a 4096^3 float32 GEMM on CPU,
   bfloat16 on CUDA), and own/prefill, the method's cost as a share of it;
@@ -23,25 +33,30 @@ method and setting it prints:
 
 `--input-side` adds decode, resize (exact and fast) and the Allocator (untrained, minilm-effnet)
 for vanilla, fixed_scale and resadapt on a synthetic 1280x720 video of the same frame counts.
-
-Not measured here yet (issue 40): the in-LLM ranking and merging, the decode-stage work, Python loop
-iterations, and each reference's own syncs.
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import statistics
+import sys
 import tempfile
 import threading
 import time
 from contextlib import contextmanager
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 
-from resadapt_eval.baselines.common import VisualTokens, kept_count
+import resadapt_eval
+from resadapt_eval.backbones.decode_pruning import DecodePruner
+from resadapt_eval.backbones.layer_pruning import LayerPruner
+from resadapt_eval.baselines.common import VisualTokens
+from resadapt_eval.budget.plan import InfeasibleBudget
+from resadapt_eval.compute.configs import KNOWN_CONFIGS
 from resadapt_eval.compute.flops import TERA, load_dims
 from resadapt_eval.compute.memory import kv_cache_bytes
 from resadapt_eval.estimates import row_flops, row_plan
@@ -50,6 +65,37 @@ from resadapt_eval.measure.syncs import counting_syncs
 from resadapt_eval.methods import METHODS
 
 SOURCE_HW = (720, 1280)  # a 720p video, (height, width) in pixels
+TEXT_BEFORE, TEXT_AFTER = 14, 10  # prompt tokens before and after the video (the estimates' 24 text tokens)
+PACKAGE = str(Path(resadapt_eval.__file__).parent)
+
+
+@contextmanager
+def counting_loop_iterations():
+    """Backward bytecode jumps (Python loop and comprehension iterations) in the package's own code
+    during the block: `counts["n"]` after it. Traces every opcode: slow, so run once, untimed."""
+    counts = {"n": 0}
+
+    def calls(frame, event, arg):
+        if not frame.f_code.co_filename.startswith(PACKAGE):
+            return None
+        frame.f_trace_opcodes = True
+        last = [frame.f_lasti]
+
+        def opcodes(frame, event, arg):
+            if event == "opcode":
+                if frame.f_lasti < last[0]:
+                    counts["n"] += 1
+                last[0] = frame.f_lasti
+            return opcodes
+
+        return opcodes
+
+    saved = sys.gettrace()
+    sys.settrace(calls)
+    try:
+        yield counts
+    finally:
+        sys.settrace(saved)
 
 
 @contextmanager
@@ -120,69 +166,167 @@ def synthetic_tokens(dims, grids, device: torch.device, seed: int = 0) -> Visual
     return VisualTokens(features, sizes, [tuple(x) for x in grids], attention, keys)
 
 
-def compressor_rows(args, dims, device, rate) -> list[dict]:
-    rows = []
+def measure(name: str, work: str, setting: dict, run, device, prefill_s: float, kv: int, repeats: int) -> dict:
+    """One row: `run()` (a fresh call of the method's work each time) timed, then counted once."""
+    run()  # warm-up
+    times = []
+    for _ in range(repeats):
+        synchronize(device)
+        t0 = time.perf_counter()
+        run()
+        synchronize(device)
+        times.append(time.perf_counter() - t0)
+    with counting_syncs() as syncs, peak_extra_bytes(device) as extra:
+        _, flops = counted_flops(run)
+    with counting_loop_iterations() as loops:
+        run()
+    own = statistics.median(times)
+    return dict(
+        method=name,
+        work=work,
+        **setting,
+        own_s=own,
+        extra_mb=extra["bytes"] / 2**20,
+        gflops=flops / 1e9,
+        syncs=syncs["n"],
+        loops=loops["n"],
+        prefill_s=prefill_s,
+        own_pct=100 * own / prefill_s,
+        kv_mb=kv / 2**20,
+        extra_pct=100 * extra["bytes"] / kv,
+    )
+
+
+def decoder_layer(backbone: str, device: torch.device, dtype: torch.dtype):
+    """One decoder layer of `backbone`'s LLM at its real width (random weights, SDPA) and its rotary
+    embedding module."""
+    published = KNOWN_CONFIGS[backbone]
+    if published["model_type"] == "qwen2_5_vl":
+        from transformers.models.qwen2_5_vl.configuration_qwen2_5_vl import Qwen2_5_VLTextConfig as Config
+        from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VLDecoderLayer as Layer
+        from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VLRotaryEmbedding as Rotary
+    else:
+        from transformers.models.qwen3_vl.configuration_qwen3_vl import Qwen3VLTextConfig as Config
+        from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLTextDecoderLayer as Layer
+        from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLTextRotaryEmbedding as Rotary
+    config = Config(**published["text_config"])
+    config._attn_implementation = "sdpa"
+    with torch.device(device):
+        return Layer(config, 0).to(dtype).eval(), Rotary(config)
+
+
+def in_llm_run(layer, rotary, stages, visual: int, num_layers: int, device, dtype):
+    """A function running `stages` of a `LayerPruner` as the decoder layers' hooks do in a prefill of
+    `visual` tokens between TEXT_BEFORE and TEXT_AFTER text tokens: the ranking in the layer before
+    (or the stage's own input), then the stage layer's input pruned, each on the tokens left."""
+    length = TEXT_BEFORE + visual + TEXT_AFTER
+    hidden = torch.randn(1, length, layer.hidden_size, generator=torch.Generator().manual_seed(0)).to(device, dtype)
+    positions = torch.arange(length, device=device).expand(3, 1, length)
+    full = rotary(hidden, positions)
+    layers = SimpleNamespace(layers=[layer] * num_layers)
+    visual_positions = torch.arange(TEXT_BEFORE, TEXT_BEFORE + visual, device=device)
+
+    @torch.inference_mode()
+    def run():
+        pruner = LayerPruner(layers, list(stages), visual_positions)
+        with pruner.attached():
+            states, cos_sin = hidden, full
+            for stage in stages:
+                pruner._ranker(stage)(layer.self_attn, (states,), {"position_embeddings": cos_sin})
+                (states, *_), kwargs = pruner._layer_input(stage.layer)(layer, (states,), {"position_embeddings": full})
+                cos_sin = kwargs["position_embeddings"]
+        return pruner
+
+    return run
+
+
+def decode_step_run(layer, rotary, stage, visual: int, num_layers: int, device, dtype):
+    """A function running one re-selecting decoding step of a `DecodePruner` at `stage` over the
+    cached keys of a prompt of `visual` tokens between TEXT_BEFORE and TEXT_AFTER text tokens."""
+    length = TEXT_BEFORE + visual + TEXT_AFTER + 1  # the prompt and this step's token
+    attention = layer.self_attn
+    g = torch.Generator().manual_seed(0)
+    keys = torch.randn(1, attention.config.num_key_value_heads, length, attention.head_dim, generator=g)
+    keys = keys.to(device, dtype)
+    step = torch.randn(1, 1, layer.hidden_size, generator=g).to(device, dtype)
+    cos_sin = rotary(step, torch.full((3, 1, 1), length - 1, device=device))
+    visual_positions = torch.arange(TEXT_BEFORE, TEXT_BEFORE + visual, device=device)
+    layers = SimpleNamespace(layers=[layer] * num_layers)
+
+    @torch.inference_mode()
+    def run():
+        pruner = DecodePruner(layers, stage, visual_positions)
+        pruner.cache.layers = [SimpleNamespace(keys=keys)] * stage.layer  # what the prefill cached
+        with pruner.attached():
+            pruner.query = (attention, step, cos_sin)  # the layer before the stage, this step
+            pruner._select(layer, (), {})
+        return pruner
+
+    return run
+
+
+def method_rows(args, dims, device, rate) -> list[dict]:
     names = (
         [m.strip() for m in args.methods.split(",")]
         if args.methods
-        else [name for name, method in METHODS.items() if method.compress is not None]
+        else [n for n, m in METHODS.items() if m.compress is not None or m.prune is not None]
     )
+    needs_layer = any(METHODS[n].prune is not None or METHODS[n].decode_prune is not None for n in names)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    layer, rotary = decoder_layer(args.backbone, device, dtype) if needs_layer else (None, None)
+    rows = []
     for frames in args.frames:
-        plan = row_plan(dims, "vanilla", frames, SOURCE_HW)
+        vanilla_plan = row_plan(dims, "vanilla", frames, SOURCE_HW)
         vanilla, visual = row_flops(dims, "vanilla", frames, SOURCE_HW, None)
         prefill_s = (vanilla.llm_prefill + vanilla.llm_attention) / rate
-        kv = kv_cache_bytes(dims.text, visual + 24, 0)
-        tokens = synthetic_tokens(dims, plan.grids, device)
+        kv = kv_cache_bytes(dims.text, visual + TEXT_BEFORE + TEXT_AFTER, 0)
+        tokens = synthetic_tokens(dims, vanilla_plan.grids, device)
         for retention in args.retention:
-            keep = kept_count(retention, len(tokens.features), len(tokens.pair_sizes))
             for name in names:
-                compress = METHODS[name].compress
+                method = METHODS[name]
+                used = retention
+                try:
+                    budget = row_plan(dims, name, frames, SOURCE_HW, retention).budget
+                except InfeasibleBudget as exc:  # PyramidDrop's default stages stop just above 0.25
+                    used = math.ceil(exc.floor * 20) / 20
+                    print(f"{name} cannot reach R = {retention} (its floor: {exc.floor:.4f}); run at R = {used}")
+                    budget = row_plan(dims, name, frames, SOURCE_HW, used).budget
+                setting = dict(frames=frames, R=used, tokens=len(tokens.features), entering=budget.entering)
+                measured = []
+                if method.compress is not None:
 
-                def run():
-                    out = compress(tokens, keep, 0)
-                    synchronize(device)
-                    return out
+                    def compress(compress=method.compress, keep=budget.entering):
+                        return compress(tokens, keep, 0)
 
-                run()  # warm-up
-                times = []
-                for _ in range(args.repeats):
-                    t0 = time.perf_counter()
-                    run()
-                    times.append(time.perf_counter() - t0)
-                with counting_syncs() as syncs, peak_extra_bytes(device) as extra:
-                    _, flops = counted_flops(run)
-                own = statistics.median(times)
-                rows.append(
-                    dict(
-                        method=name,
-                        frames=frames,
-                        R=retention,
-                        tokens=len(tokens.features),
-                        keep=keep,
-                        own_s=own,
-                        extra_mb=extra["bytes"] / 2**20,
-                        gflops=flops / 1e9,
-                        syncs=syncs["n"],
-                        prefill_s=prefill_s,
-                        own_pct=100 * own / prefill_s,
-                        kv_mb=kv / 2**20,
-                        extra_pct=100 * extra["bytes"] / kv,
+                    measured.append(("compress", compress))
+                if budget.stages:
+                    run = in_llm_run(layer, rotary, budget.stages, budget.entering, dims.text.layers, device, dtype)
+                    measured.append(
+                        (f"in-LLM ({len(budget.stages)} stage{'s' if len(budget.stages) > 1 else ''})", run)
                     )
-                )
-                print(format_row(rows[-1]), flush=True)
+                if budget.decode_stage is not None:
+                    step = decode_step_run(
+                        layer, rotary, budget.decode_stage, budget.entering, dims.text.layers, device, dtype
+                    )
+                    measured.append(("decode step", step))
+                for work, run in measured:
+                    rows.append(measure(name, work, setting, run, device, prefill_s, kv, args.repeats))
+                    print(format_row(rows[-1]), flush=True)
     return rows
 
 
 COLUMNS = (
     ("method", "{}"),
+    ("work", "{}"),
     ("frames", "{}"),
     ("R", "{:g}"),
     ("tokens", "{}"),
-    ("keep", "{}"),
+    ("entering", "{}"),
     ("own_s", "{:.3f}"),
     ("extra_mb", "{:.0f}"),
     ("gflops", "{:.1f}"),
     ("syncs", "{}"),
+    ("loops", "{}"),
     ("prefill_s", "{:.1f}"),
     ("own_pct", "{:.2f}%"),
     ("kv_mb", "{:.0f}"),
@@ -258,7 +402,9 @@ def main() -> None:
     parser.add_argument("--backbone", default="qwen25vl-7b", help="qwen25vl-7b or qwen3vl-8b (real widths)")
     parser.add_argument("--frames", type=lambda s: [int(f) for f in s.split(",")], default=[16, 32, 64, 128])
     parser.add_argument("--retention", type=lambda s: [float(r) for r in s.split(",")], default=[0.5, 0.25, 0.1])
-    parser.add_argument("--methods", default=None, help="comma-separated compressors (default: every one)")
+    parser.add_argument(
+        "--methods", default=None, help="comma-separated methods (default: every one with its own work)"
+    )
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--input-side", action="store_true", help="also decode, resize and the Allocator")
@@ -272,7 +418,7 @@ def main() -> None:
     )
     print("| " + " | ".join(key for key, _ in COLUMNS) + " |")
     print("|" + "---|" * len(COLUMNS))
-    compressor_rows(args, dims, device, rate)
+    method_rows(args, dims, device, rate)
     if args.input_side:
         input_side(args, dims, device)
 

@@ -24,7 +24,8 @@ Deviations from the reference:
 
 Cost, as the reference's (llava_arch.py:147-171): one N x N distance matrix (N^2 D multiply-adds, N^2
 floats held; the reference's in the features' dtype, ours float32), then `keep` greedy steps of O(N)
-each on the device, with one host sync at the end (the reference: none inside its loop either). Where
+each on the device (the reference's step i reads i rows: O(K^2 N) in all), with no host sync (the reference
+none either: the kept indices stay on the device). Where
 N^2 float32 distances exceed `DISTANCE_MATRIX_BYTES` (N > 16,384: more than 21 pairs of 768 tokens)
 the matrix is not held: each step computes its picked token's row from the features (N D
 multiply-adds, memory-bound), the first pick's nearest neighbours in blocks of `ROW_CHUNK` rows, so
@@ -111,8 +112,9 @@ def compress(tokens: VisualTokens, keep: int, seed: int = 0) -> Compression:
         return Compression(torch.arange(n))  # cpu: a CPU Compression; merge_groups moves it to the features
     feats = F.normalize(tokens.features.float(), dim=-1)
     pairs = torch.arange(len(tokens.pair_sizes), device=feats.device)
-    pair_of = torch.repeat_interleave(pairs, torch.tensor(tokens.pair_sizes, device=feats.device))
-    chosen = max_min_greedy(feats, pair_of, len(tokens.pair_sizes), keep).cpu()  # the one host sync
-    assignment = torch.full((n,), DROPPED, dtype=torch.long)  # cpu: a CPU Compression, moved by merge_groups
+    sizes = torch.tensor(tokens.pair_sizes, device=feats.device)
+    pair_of = torch.repeat_interleave(pairs, sizes, output_size=n)
+    chosen = max_min_greedy(feats, pair_of, len(tokens.pair_sizes), keep)
+    assignment = torch.full((n,), DROPPED, dtype=torch.long, device=feats.device)
     assignment[chosen] = chosen
     return Compression(assignment)

@@ -73,12 +73,17 @@ def window_partners(frames: list[int]) -> dict[int, int]:
     return partner
 
 
-def temporal_similarity(tokens: VisualTokens, feats: torch.Tensor, frame: int, partner: int) -> torch.Tensor:
+def unit_pair(tokens: VisualTokens, frame: int) -> torch.Tensor:
+    """(size of `frame`, D) the tokens of pair `frame` in float32, L2-normalised (one pair at a time, as the
+    reference: the memory stays O(pair tokens x D))."""
+    start, size = tokens.pair_starts[frame], tokens.pair_sizes[frame]
+    return F.normalize(tokens.features[start : start + size].float(), dim=-1)
+
+
+def temporal_similarity(tokens: VisualTokens, frame: int, partner: int) -> torch.Tensor:
     """(size of `frame`,) cosine of each token of pair `frame` with the token at the same position of pair `partner`,
-    or with its most similar token there when the two pairs have different grids. feats: (N, D) unit rows."""
-    starts, sizes = tokens.pair_starts, tokens.pair_sizes
-    a = feats[starts[frame] : starts[frame] + sizes[frame]]
-    b = feats[starts[partner] : starts[partner] + sizes[partner]]
+    or with its most similar token there when the two pairs have different grids."""
+    a, b = unit_pair(tokens, frame), unit_pair(tokens, partner)
     if tokens.grids[frame] == tokens.grids[partner]:
         return (a * b).sum(dim=-1)
     return (a @ b.T).max(dim=1).values
@@ -86,27 +91,29 @@ def temporal_similarity(tokens: VisualTokens, feats: torch.Tensor, frame: int, p
 
 def least_redundant(similarity: torch.Tensor, k: int) -> torch.Tensor:
     """Indices (into the frame) of the k tokens least similar to the partner, the ones TTM keeps."""
-    return torch.argsort(similarity, stable=True)[:k].cpu()
+    return torch.argsort(similarity, stable=True)[:k]
 
 
-def root_similarity(tokens: VisualTokens, feats: torch.Tensor) -> torch.Tensor:
+def root_similarity(tokens: VisualTokens) -> torch.Tensor:
     """(size of pair 0,) redundancy score of the first pair's tokens: cosine with pair 1 (as in TTM's first
     comparison), or with the pair's mean token when the video has a single pair."""
     if len(tokens.pair_sizes) > 1:
-        return temporal_similarity(tokens, feats, 0, 1)
-    first = feats[: tokens.pair_sizes[0]]
+        return temporal_similarity(tokens, 0, 1)
+    first = unit_pair(tokens, 0)
     return first @ F.normalize(first.mean(dim=0), dim=-1)
 
 
 def compress(tokens: VisualTokens, keep: int, seed: int = 0) -> Compression:
     check_keep(tokens.pair_sizes, keep)
-    feats = F.normalize(tokens.features.float(), dim=-1)
     starts, sizes = tokens.pair_starts, tokens.pair_sizes
-    kept = torch.zeros(feats.shape[0], dtype=torch.bool)  # cpu: index bookkeeping (least_redundant returns CPU)
+    device = tokens.features.device
+    kept = torch.zeros(tokens.features.shape[0], dtype=torch.bool, device=device)
 
     def keep_tokens(frame: int, local: torch.Tensor | None = None) -> None:
-        index = torch.arange(starts[frame], starts[frame] + sizes[frame])  # cpu: indexes the CPU mask `kept`
-        kept[index if local is None else index[local]] = True
+        if local is None:
+            kept[starts[frame] : starts[frame] + sizes[frame]] = True
+        else:
+            kept[starts[frame] + local] = True
 
     level, budget = list(range(len(sizes))), keep
     while True:
@@ -115,7 +122,7 @@ def compress(tokens: VisualTokens, keep: int, seed: int = 0) -> Compression:
         compared = [f for f in level if f in partner]
         if not compared:  # the first pair alone
             k = min(budget, sizes[0])
-            keep_tokens(0, None if k == sizes[0] else least_redundant(root_similarity(tokens, feats), k))
+            keep_tokens(0, None if k == sizes[0] else least_redundant(root_similarity(tokens), k))
             break
         reference_total = sum(sizes[f] for f in references)
         reachable = budget >= reference_total + len(compared)
@@ -123,14 +130,13 @@ def compress(tokens: VisualTokens, keep: int, seed: int = 0) -> Compression:
         # over the reference frames
         counts = per_pair_budget([sizes[f] for f in compared], budget - reference_total) if reachable else None
         for frame, k in zip(compared, counts or [1] * len(compared)):
-            keep_tokens(frame, least_redundant(temporal_similarity(tokens, feats, frame, partner[frame]), k))
+            keep_tokens(frame, least_redundant(temporal_similarity(tokens, frame, partner[frame]), k))
         if reachable:
             for frame in references:
                 keep_tokens(frame)
             break
         level, budget = references, budget - len(compared)
-    tokens_at = torch.arange(feats.shape[0])  # cpu: a CPU Compression, as `kept`; merge_groups moves it
-    return Compression(torch.where(kept, tokens_at, torch.full_like(kept, DROPPED, dtype=torch.long)))
+    return Compression(torch.where(kept, torch.arange(len(kept), device=device), DROPPED))
 
 
 def decode_stage(num_layers: int, visual: int, retention: float, first_layer: int = 0) -> DecodeStage:

@@ -101,13 +101,12 @@ INNER_MERGE = 0.5  # HOLITOM_r: the share of the visual tokens merged away at th
 
 @dataclass
 class Window:
-    """Pairs first..last merged together; chains (c, L): global indices of each static position's
-    tokens, one per pair; strength (c,): the lowest similarity along each chain."""
+    """Pairs first..last merged together; chains (c, L): global indices of each static position's tokens, one per
+    pair (rows in the first pair's token order)."""
 
     first: int
     last: int
     chains: torch.Tensor
-    strength: torch.Tensor
 
 
 def step_matches(tokens: VisualTokens, unit: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -121,28 +120,12 @@ def step_matches(tokens: VisualTokens, unit: torch.Tensor) -> list[tuple[torch.T
             steps.append((torch.arange(sizes[p], device=unit.device), (a * b).sum(dim=-1)))
             continue
         similarity, follower = (a @ b.T).max(dim=1)
-        targets, taken, unmatched = follower.tolist(), set(), []
-        for i in torch.sort(similarity, descending=True, stable=True).indices.tolist():
-            if targets[i] in taken:
-                unmatched.append(i)
-            taken.add(targets[i])
-        similarity[unmatched] = -math.inf
-        steps.append((follower, similarity))
+        # most similar first (ties: lower index), a follower goes to the first token that reaches it
+        rank = torch.empty_like(follower)
+        rank[torch.sort(similarity, descending=True, stable=True).indices] = torch.arange(sizes[p], device=unit.device)
+        first = torch.full((sizes[p + 1],), sizes[p], device=unit.device).scatter_reduce_(0, follower, rank, "amin")
+        steps.append((follower, similarity.masked_fill(rank != first[follower], -math.inf)))
     return steps
-
-
-def follow(steps, first: int, last: int, size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Chains from each of pair `first`'s `size` tokens to pair `last` > first: (size, L) local indices,
-    (size,) strength."""
-    device = steps[first][1].device
-    position = torch.arange(size, device=device)
-    path, strength = [position], torch.full((size,), math.inf, device=device)
-    for p in range(first, last):
-        follower, similarity = steps[p]
-        strength = torch.minimum(strength, similarity[position])
-        position = follower[position]
-        path.append(position)
-    return torch.stack(path, dim=1), strength
 
 
 def static_threshold(keep: int, num_tokens: int) -> float:
@@ -151,21 +134,27 @@ def static_threshold(keep: int, num_tokens: int) -> float:
 
 
 def redundancy_gains(steps, sizes: list[int], tau: float) -> list[list[int]]:
-    """gain[s][e]: tokens saved by merging window [s, e] over time, (e - s) x its static positions (cosine > tau)."""
+    """gain[s][e]: tokens saved by merging window [s, e] over time, (e - s) x its static positions (cosine > tau).
+    The chains from every pair are followed together, one step at a time; one host sync reads the gains."""
     num_pairs = len(sizes)
-    gain = [[0] * num_pairs for _ in range(num_pairs)]
-    for s in range(num_pairs - 1):
-        device = steps[s][1].device
-        position, strength = torch.arange(sizes[s], device=device), torch.full((sizes[s],), math.inf, device=device)
-        for e in range(s + 1, num_pairs):
-            follower, similarity = steps[e - 1]
-            strength = torch.minimum(strength, similarity[position])
-            position = follower[position]
-            static = int((strength > tau).sum())
-            if static == 0:
-                break
-            gain[s][e] = (e - s) * static
-    return gain
+    if num_pairs == 1:
+        return [[0]]
+    device = steps[0][1].device
+    static = torch.zeros(num_pairs, num_pairs, dtype=torch.long, device=device)  # static[s, e]: static positions
+    position = torch.zeros(0, dtype=torch.long, device=device)  # each chain's token in the current pair
+    strength = torch.zeros(0, device=device)  # each chain's lowest similarity so far
+    origin = torch.zeros(0, dtype=torch.long, device=device)  # the pair each chain starts from
+    for e in range(1, num_pairs):
+        new = sizes[e - 1]  # the chains starting at pair e - 1
+        position = torch.cat([position, torch.arange(new, device=device)])
+        strength = torch.cat([strength, torch.full((new,), math.inf, device=device)])
+        origin = torch.cat([origin, torch.full((new,), e - 1, device=device)])
+        follower, similarity = steps[e - 1]
+        strength = torch.minimum(strength, similarity[position])
+        position = follower[position]
+        static[:, e].index_add_(0, origin, (strength > tau).long())
+    pairs = torch.arange(num_pairs, device=device)
+    return (static * (pairs[None, :] - pairs[:, None]).clamp(min=0)).tolist()
 
 
 def temporal_segments(gain: list[list[int]]) -> list[tuple[int, int]]:
@@ -185,48 +174,36 @@ def temporal_segments(gain: list[list[int]]) -> list[tuple[int, int]]:
     return windows[::-1]
 
 
-def static_chains(tokens: VisualTokens, steps, first: int, last: int, tau: float) -> Window:
-    """The window's static positions (strength > tau; none in a one-pair window) as chains of global indices."""
-    starts, sizes = tokens.pair_starts, tokens.pair_sizes
-    if last == first:
-        device = tokens.features.device
-        return Window(first, last, torch.zeros((0, 1), dtype=torch.long, device=device), torch.zeros(0, device=device))
-    path, strength = follow(steps, first, last, sizes[first])
-    static = strength > tau
-    offsets = torch.tensor(starts[first : last + 1], device=path.device)
-    return Window(first, last, path[static] + offsets, strength[static])
+def follow(tokens: VisualTokens, steps, first: int, last: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Chains from each token of pair `first` to pair `last` > first: (n, L) global indices, (n,) strength (the
+    lowest similarity along the chain)."""
+    starts, size = tokens.pair_starts, tokens.pair_sizes[first]
+    device = steps[first][1].device
+    position = torch.arange(size, device=device)
+    path, strength = [position + starts[first]], torch.full((size,), math.inf, device=device)
+    for p in range(first, last):
+        follower, similarity = steps[p]
+        strength = torch.minimum(strength, similarity[position])
+        position = follower[position]
+        path.append(position + starts[p + 1])
+    return torch.stack(path, dim=1), strength
 
 
-def release(window: Window, rows: list[int]) -> None:
-    """Return these static chains of the window to the dynamic set (their tokens stay per pair)."""
-    keep = torch.ones(len(window.strength), dtype=torch.bool, device=window.strength.device)
-    keep[rows] = False
-    window.chains, window.strength = window.chains[keep], window.strength[keep]
-
-
-def weakest_first(windows: list[Window]) -> list[tuple[float, int, int]]:
-    """(strength, window, row) of every static chain, least redundant first (ties: earlier window, lower row)."""
-    return sorted((s, k, row) for k, w in enumerate(windows) for row, s in enumerate(w.strength.tolist()))
-
-
-def keep_a_dynamic_token(window: Window, sizes: list[int]) -> None:
-    """Release the window's weakest chains until each of its pairs has a token outside the chains."""
-    excess = len(window.strength) - (min(sizes[window.first : window.last + 1]) - 1)
-    if excess > 0:
-        release(window, [row for _, _, row in weakest_first([window])[:excess]])
-
-
-def release_until(windows: list[Window], num_tokens: int, keep: int) -> None:
-    """Release the globally least redundant chains until temporal merging leaves at least `keep` tokens."""
-    left = num_tokens - sum((w.last - w.first) * len(w.strength) for w in windows)
-    rows: list[list[int]] = [[] for _ in windows]
-    for _, k, row in weakest_first(windows):
+def released_counts(strengths: list[list[float]], spans: list[int], smallest: list[int], num_tokens: int, keep: int):
+    """How many of each window's static chains (their strengths; -inf: not static) return to the dynamic set, the
+    weakest first (ties: the lower row): until each of the window's pairs has a token outside the chains (at most
+    its `smallest` pair's size - 1 chains), then the globally weakest (ties: earlier window, lower row) until
+    temporal merging leaves at least `keep` tokens (a window's chain had saved `spans` tokens)."""
+    weakest = [sorted((s, row) for row, s in enumerate(w) if s != -math.inf) for w in strengths]
+    released = [max(0, len(w) - (n - 1)) for w, n in zip(weakest, smallest)]
+    left = num_tokens - sum(span * (len(w) - r) for w, span, r in zip(weakest, spans, released))
+    remaining = sorted((s, k, row) for k, (w, r) in enumerate(zip(weakest, released)) for s, row in w[r:])
+    for _, k, _ in remaining:
         if left >= keep:
             break
-        rows[k].append(row)
-        left += windows[k].last - windows[k].first  # a chain of L tokens had become one
-    for w, r in zip(windows, rows):
-        release(w, r)
+        released[k] += 1
+        left += spans[k]  # a chain of L tokens had become one
+    return [len(w) for w in weakest], released
 
 
 def apportion(total: int, sizes: list[int], floors: list[int]) -> list[int]:
@@ -253,9 +230,8 @@ def merge_static(
     """Cluster the window's static chains (features: their temporal mean) to `count` centres; every chain
     joins its nearest centre (ties: the lower index), whose first-pair token is the destination, and the
     weights give the cluster beta c + (1 - beta) x the mean of the merged chains' means (c alone if none).
-    count == 0 drops them all."""
+    count == 0 leaves them all dropped."""
     if count == 0:
-        assignment[window.chains.flatten()] = DROPPED
         return
     means = feats[window.chains].mean(dim=1)
     centres, dist = density_peaks(means, count, min(DENSITY_K, count))
@@ -263,19 +239,20 @@ def merge_static(
     nearest = centres[dist[:, centres].argmin(dim=1)]
     nearest[centres] = centres
     assignment[window.chains] = window.chains[nearest, :1]
-    nearest = nearest.cpu()
-    merged = torch.bincount(nearest, minlength=len(nearest)).double() - 1  # chains merged into each centre
-    is_centre = nearest == torch.arange(len(nearest), device=nearest.device)
-    # beta in the weights' own dtype and device (float64, CPU): torch.where(mask, BETA, 1.0) would make
-    # a float32 tensor, and its 0.6000000238 would enter every centre's weight
+    rows = torch.arange(len(nearest), device=nearest.device)
+    # chains merged into each centre, float64 as the weights
+    merged = torch.zeros(len(nearest), dtype=weights.dtype, device=weights.device)
+    merged = merged.index_add_(0, nearest, torch.ones_like(merged)) - 1
+    # beta in the weights' own dtype (float64): torch.where(mask, BETA, 1.0) would make a float32 tensor, and
+    # its 0.6000000238 would enter every centre's weight
     beta = torch.tensor(BETA, dtype=weights.dtype, device=weights.device)
     chain_weight = torch.where(
-        is_centre,
+        nearest == rows,
         torch.where(merged > 0, beta, torch.ones_like(beta)),
         (1 - beta) / merged[nearest].clamp(min=1),
     )
     length = window.chains.shape[1]
-    weights[window.chains.cpu()] = (chain_weight / length)[:, None].expand(-1, length)
+    weights[window.chains] = (chain_weight / length)[:, None].expand(-1, length)
 
 
 def compress(tokens: VisualTokens, keep: int, seed: int = 0) -> Compression:
@@ -284,35 +261,51 @@ def compress(tokens: VisualTokens, keep: int, seed: int = 0) -> Compression:
     check_keep(tokens.pair_sizes, keep)
     starts, sizes = tokens.pair_starts, tokens.pair_sizes
     feats = tokens.features.float()
-    attention = tokens.received_attention.to(feats.device).float()
+    device = feats.device
+    attention = tokens.received_attention.to(device).float()
     steps = step_matches(tokens, F.normalize(feats, dim=-1))
     tau = static_threshold(keep, feats.shape[0])
 
-    # 1. global redundancy-aware temporal segmentation, 2. static chains of each window
-    gains = redundancy_gains(steps, sizes, tau)
-    windows = [static_chains(tokens, steps, s, e, tau) for s, e in temporal_segments(gains)]
-    for w in windows:
-        keep_a_dynamic_token(w, sizes)
-    release_until(windows, feats.shape[0], keep)
+    # 1. global redundancy-aware temporal segmentation (one host sync)
+    segments = [(s, e) for s, e in temporal_segments(redundancy_gains(steps, sizes, tau)) if e > s]
+    # 2. static chains of each window: all chains' strengths read at once (one host sync), -inf where not static;
+    # the chains released to the dynamic set follow on the host, the weakest of each window
+    paths, marked = [], []
+    for s, e in segments:
+        path, strength = follow(tokens, steps, s, e)
+        paths.append(path)
+        marked.append(strength.masked_fill(~(strength > tau), -math.inf))
+    flat = torch.cat(marked).tolist() if marked else []
+    bounds = [0]
+    for path in paths:
+        bounds.append(bounds[-1] + len(path))
+    static_counts, released = released_counts(
+        [flat[a:b] for a, b in zip(bounds, bounds[1:])],
+        [e - s for s, e in segments],
+        [min(sizes[s : e + 1]) for s, e in segments],
+        feats.shape[0],
+        keep,
+    )
+    windows, is_static = [], torch.zeros(feats.shape[0], dtype=torch.bool, device=device)
+    for (s, e), path, strength, count, gone in zip(segments, paths, marked, static_counts, released):
+        weakest_first = torch.sort(strength.masked_fill(strength == -math.inf, math.inf), stable=True).indices
+        window = Window(s, e, path[weakest_first[gone:count].sort().values])
+        is_static[window.chains.flatten()] = True
+        windows.append(window)
 
     # 3. spatial merging: keep apportioned over each pair's dynamic tokens and each window's static chains
-    dynamic = []
-    for w in windows:
-        for column, p in enumerate(range(w.first, w.last + 1)):
-            index = torch.arange(starts[p], starts[p] + sizes[p], device=feats.device)
-            dynamic.append(index[~torch.isin(index, w.chains[:, column])])
-    share = apportion(
-        keep, [len(d) for d in dynamic] + [len(w.strength) for w in windows], [1] * len(dynamic) + [0] * len(windows)
-    )
+    chain_count = {p: len(w.chains) for w in windows for p in range(w.first, w.last + 1)}
+    dynamic = [sizes[p] - chain_count.get(p, 0) for p in range(len(sizes))]
+    share = apportion(keep, dynamic + [len(w.chains) for w in windows], [1] * len(dynamic) + [0] * len(windows))
 
-    assignment = torch.full((feats.shape[0],), DROPPED, dtype=torch.long, device=feats.device)
-    # a dynamic token is kept as it is; merge_static writes the chains' weights from CPU indices
-    weights = torch.ones(feats.shape[0], dtype=torch.float64)  # cpu: CPU weights, moved by merge_groups
-    for index, count in zip(dynamic, share):
-        chosen = index[top(attention[index], count)]
+    assignment = torch.full((feats.shape[0],), DROPPED, dtype=torch.long, device=device)
+    weights = torch.ones(feats.shape[0], dtype=torch.float64, device=device)  # a dynamic token is kept as it is
+    salience = attention.masked_fill(is_static, -math.inf)  # a pair's static tokens rank after its dynamic ones
+    for start, size, count in zip(starts, sizes, share):
+        chosen = start + top(salience[start : start + size], count)
         assignment[chosen] = chosen
     for w, count in zip(windows, share[len(dynamic) :]):
-        if len(w.strength):
+        if len(w.chains):
             merge_static(w, feats, count, assignment, weights)
     return Compression(assignment, weights)
 

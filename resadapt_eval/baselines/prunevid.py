@@ -60,12 +60,11 @@ Deviations from the reference:
 from __future__ import annotations
 
 import math
-from dataclasses import replace
 
 import torch
 import torch.nn.functional as F
 
-from .common import Compression, VisualTokens, check_keep, density_peaks, per_pair_budget
+from .common import Compression, VisualTokens, check_keep, density_peaks, per_pair_budget, top
 from .inside_llm import TEXT_AFTER_VISUAL, Stage, check_layers, scaled_layer
 
 TAU = 0.8  # static threshold on a position's mean pairwise cosine across a segment's frames
@@ -147,54 +146,62 @@ def static_similarity(frames: torch.Tensor) -> torch.Tensor:
 
 
 def segment_frames(tokens: VisualTokens, segment: list[int]) -> torch.Tensor:
-    """(W, L, D) tokens of the W pairs of a segment (same grid)."""
-    starts, sizes = tokens.pair_starts, tokens.pair_sizes
-    return torch.stack([tokens.features[starts[p] : starts[p] + sizes[p]].float() for p in segment])
+    """(W, L, D) float32 tokens of the W consecutive pairs of a segment (same grid)."""
+    start, length = tokens.pair_starts[segment[0]], tokens.pair_sizes[segment[0]]
+    frames = tokens.features[start : start + len(segment) * length]
+    return frames.view(len(segment), length, -1).float()
 
 
-def static_positions(tokens: VisualTokens, segments: list[list[int]], keep: int) -> list[list[int]]:
-    """Static positions of each segment: positions above TAU, merged most similar first while the token count stays
-    at least `keep`, at least one position per segment stays dynamic, and groups do not outnumber `keep`."""
+def static_counts(tokens: VisualTokens, segments: list[list[int]], keep: int) -> tuple[list[int], list]:
+    """How many positions of each segment are static, and each segment's (L,) position similarities (None for a
+    single pair): positions above TAU, merged most similar first while the token count stays at least `keep`, at
+    least one position per segment stays dynamic, and groups do not outnumber `keep`. Each rule, once it refuses
+    a segment's position, refuses its later ones, so a segment's static positions are its most similar ones (ties:
+    the lower position). One host sync reads every segment's similarities."""
     sizes = tokens.pair_sizes
-    candidates = []
-    for s, seg in enumerate(segments):
-        if len(seg) > 1:
-            sim = static_similarity(segment_frames(tokens, seg)).tolist()
-            candidates += [(v, s, pos) for pos, v in enumerate(sim) if v > TAU]
-    static: list[list[int]] = [[] for _ in segments]
+    sims = [static_similarity(segment_frames(tokens, seg)) if len(seg) > 1 else None for seg in segments]
+    read = [sim for sim in sims if sim is not None]
+    values, offset, candidates = torch.cat(read).tolist() if read else [], 0, []
+    for s, sim in enumerate(sims):
+        if sim is not None:
+            segment = values[offset : offset + len(sim)]
+            candidates += [(v, s, pos) for pos, v in enumerate(segment) if v > TAU]
+            offset += len(sim)
+    counts = [0] * len(segments)
     count, groups = sum(sizes), len(sizes)  # tokens, and clustering groups (one per pair, one per static group)
-    for _, s, pos in sorted(candidates, key=lambda c: (-c[0], c[1], c[2])):
-        saved, new_group = len(segments[s]) - 1, int(not static[s])
-        if len(static[s]) + 1 < sizes[segments[s][0]] and count - saved >= keep and groups + new_group <= keep:
-            static[s].append(pos)
+    for _, s, _ in sorted(candidates, key=lambda c: (-c[0], c[1], c[2])):
+        saved, new_group = len(segments[s]) - 1, int(not counts[s])
+        if counts[s] + 1 < sizes[segments[s][0]] and count - saved >= keep and groups + new_group <= keep:
+            counts[s] += 1
             count, groups = count - saved, groups + new_group
-    return static
+    return counts, sims
 
 
 def compress(tokens: VisualTokens, keep: int, seed: int = 0) -> Compression:
     check_keep(tokens.pair_sizes, keep)
-    tokens = replace(tokens, features=tokens.features.float())
     starts, sizes = tokens.pair_starts, tokens.pair_sizes
+    device = tokens.features.device
     segments = temporal_segments(tokens)
-    static = static_positions(tokens, segments, keep)
-    # clustering groups: (features (n, D), destination token of each item, member tokens of each item); a static
+    # clustering groups: (features (n, D), member tokens (n, W) of each item, the first its destination); a static
     # token is the mean of its position over the segment and sits in the segment's first pair
     groups = []
-    for seg, positions in zip(segments, static):
-        positions = sorted(positions)  # in position order (as the reference's masked_select), for the index tie-break
-        if positions:
-            feats = segment_frames(tokens, seg)[:, positions].mean(dim=0)
-            members = [[starts[p] + pos for p in seg] for pos in positions]
-            groups.append((feats, [m[0] for m in members], members))
-        is_static = set(positions)
+    for seg, count, sim in zip(segments, *static_counts(tokens, segments, keep)):
+        first, length = starts[seg[0]], sizes[seg[0]]
+        is_static = torch.zeros(length, dtype=torch.bool, device=device)
+        if count:
+            # in position order (as the reference's masked_select), for the index tie-break
+            positions = top(sim, count).sort().values
+            is_static[positions] = True
+            members = first + positions[:, None] + length * torch.arange(len(seg), device=device)
+            groups.append((segment_frames(tokens, seg)[:, positions].mean(dim=0), members))
+        dynamic = torch.sort(is_static, stable=True).indices[: length - count]  # the other positions, in order
         for p in seg:
-            dynamic = [starts[p] + pos for pos in range(sizes[p]) if pos not in is_static]
-            groups.append((tokens.features[dynamic].float(), dynamic, [[i] for i in dynamic]))
-    assignment = torch.arange(tokens.features.shape[0])  # cpu: written from Python ints; moved by merge_groups
-    for (feats, destination, members), k in zip(groups, per_pair_budget([len(g[1]) for g in groups], keep)):
-        owner = torch.arange(len(destination)) if k == len(destination) else dpc_knn(feats, k)  # cpu: read as a list
-        for item, centre in enumerate(owner.tolist()):
-            assignment[members[item]] = destination[centre]
+            members = starts[p] + dynamic[:, None]
+            groups.append((tokens.features[members[:, 0]].float(), members))
+    assignment = torch.arange(tokens.features.shape[0], device=device)
+    for (feats, members), k in zip(groups, per_pair_budget([len(m) for _, m in groups], keep)):
+        owner = torch.arange(len(members), device=device) if k == len(members) else dpc_knn(feats, k)
+        assignment[members] = members[owner, :1].expand_as(members)
     return Compression(assignment)
 
 

@@ -78,22 +78,23 @@ def frame_weights(to_video: torch.Tensor, starts: list[int], sizes: list[int]) -
 
 def frame_budgets(weights: torch.Tensor, sizes: list[int], keep: int) -> list[int]:
     """Tokens kept per frame, summing to keep: quotas keep * s_f w_f / sum(s w), capped at s_f with
-    the excess shared over the uncapped frames, floor + largest remainder, then at least 1 each."""
+    the excess shared over the uncapped frames, floor + largest remainder, then at least 1 each.
+    The weights are read once (one host sync); the rest is host arithmetic in float64."""
     check_keep(sizes, keep)
-    size = torch.tensor(sizes, dtype=torch.float64)  # cpu: budget arithmetic, as the weights.cpu() below
-    share = weights.double().cpu() * size
-    capped = torch.zeros(len(sizes), dtype=torch.bool)  # cpu: budget arithmetic
+    share = [w * n for w, n in zip(weights.double().tolist(), sizes)]
+    capped = [False] * len(sizes)
     while True:
-        free = keep - size[capped].sum()
-        quota = torch.where(capped, size, free * share / share[~capped].sum())
-        over = ~capped & (quota > size)
-        if not over.any():
+        free = keep - sum(n for n, c in zip(sizes, capped) if c)
+        total = sum(x for x, c in zip(share, capped) if not c)
+        quota = [n if c else free * x / total for n, x, c in zip(sizes, share, capped)]
+        over = [not c and q > n for n, q, c in zip(sizes, quota, capped)]
+        if not any(over):
             break
-        capped |= over
-    budget = [min(n, int(q)) for n, q in zip(sizes, quota.tolist())]
+        capped = [c or o for c, o in zip(capped, over)]
+    budget = [min(n, int(q)) for n, q in zip(sizes, quota)]
     # remainders equal in exact arithmetic (e.g. 1/3 of 4/3 and of 10/3 when sigma is one-hot) differ by
     # rounding: compare them to 9 decimals, so that such ties go to the earlier frame
-    remainder = [round(q - b, 9) for q, b in zip(quota.tolist(), budget)]
+    remainder = [round(q - b, 9) for q, b in zip(quota, budget)]
     for f in sorted(range(len(sizes)), key=lambda f: -remainder[f]):  # stable: earlier frame first
         if sum(budget) == keep:
             break
@@ -122,8 +123,8 @@ def compress(tokens: VisualTokens, keep: int, seed: int = 0) -> Compression:
     feats = F.normalize(low_variance_channels(tokens.features.double()), dim=-1)
     to_video, to_frame = similarities(feats, starts, sizes)
     budget = frame_budgets(frame_weights(to_video, starts, sizes), sizes, keep)
-    score = (to_video + to_frame).cpu()
-    assignment = torch.full((n,), DROPPED, dtype=torch.long)  # cpu: indexed by the CPU scores; a CPU Compression
+    score = to_video + to_frame
+    assignment = torch.full((n,), DROPPED, dtype=torch.long, device=score.device)
     for s, size, k in zip(starts, sizes, budget):
         kept = s + unique_tokens(score[s : s + size], k)
         assignment[kept] = kept
