@@ -142,3 +142,10 @@ def density_peaks(feats: torch.Tensor, count: int, k: int) -> tuple[torch.Tensor
     )
     to_denser = torch.where(denser, dist, dist.max()).min(dim=1).values
     return top(to_denser * density, count), dist
+
+
+def by_mask(mask: torch.Tensor, count: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Positions where `mask` is False, then those where it is True (`count` of them), each in
+    ascending order: a stable sort, so the host reads nothing."""
+    order = torch.sort(mask.to(torch.uint8), stable=True).indices
+    return order[: len(mask) - count], order[len(mask) - count :]

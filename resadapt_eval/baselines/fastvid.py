@@ -81,7 +81,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from .common import DROPPED, Compression, VisualTokens, density_peaks, per_pair_budget, top
+from .common import DROPPED, Compression, VisualTokens, by_mask, density_peaks, per_pair_budget, top
 
 DYSEG_C = 8  # at least c segments (the c - 1 lowest transitions are cuts)
 DYSEG_TAU = 0.84  # and a cut wherever adjacent frames' cosine is below tau (Qwen2.5-VL setting)
@@ -118,13 +118,21 @@ def anchor_frames(length: int) -> list[int]:
 
 
 def deal(total: int, room: list[int]) -> list[int]:
-    """`total` tokens dealt one at a time, in order, to the slots with room left; (len(room),) counts."""
+    """`total` tokens dealt one at a time, in order, to the slots with room left; (len(room),) counts.
+    Whole rounds are dealt at once: as many as every open slot can take and `total` covers."""
     given = [0] * len(room)
-    while total > 0 and any(g < r for g, r in zip(given, room)):
-        for i, r in enumerate(room):
-            if total > 0 and given[i] < r:
+    while total > 0:
+        open_slots = [i for i, r in enumerate(room) if given[i] < r]
+        if not open_slots:
+            break
+        rounds = min(total // len(open_slots), min(room[i] - given[i] for i in open_slots))
+        if rounds == 0:  # a last, partial round: the first open slots take one each
+            for i in open_slots[:total]:
                 given[i] += 1
-                total -= 1
+            break
+        for i in open_slots:
+            given[i] += rounds
+        total -= rounds * len(open_slots)
     return given
 
 
@@ -146,26 +154,25 @@ def compress(tokens: VisualTokens, keep: int, seed: int = 0) -> Compression:
         raise ValueError("fastvid needs the attention received in the last ViT block")
     starts, sizes = tokens.pair_starts, tokens.pair_sizes
     budget = per_pair_budget(sizes, keep)
-    feats = tokens.features.float()
-    device = feats.device
-    unit = F.normalize(feats, dim=-1)
+    features = tokens.features
+    device = features.device
     attention = tokens.received_attention.to(device).float()
-    assignment = torch.full((feats.shape[0],), DROPPED, dtype=torch.long, device=device)
+    assignment = torch.full((features.shape[0],), DROPPED, dtype=torch.long, device=device)
     for segment in dynamic_segments(frame_similarities(tokens)):
         salient, anchor = stprune_budget([sizes[p] for p in segment], [budget[p] for p in segment])
         rest, anchors = [], []
         for p, n_salient, n_anchor in zip(segment, salient, anchor):
-            index = torch.arange(starts[p], starts[p] + sizes[p], device=device)
             is_salient = torch.zeros(sizes[p], dtype=torch.bool, device=device)
-            is_salient[top(attention[index], n_salient)] = True
-            assignment[index[is_salient]] = index[is_salient]
-            others = index[~is_salient]
+            is_salient[top(attention[starts[p] : starts[p] + sizes[p]], n_salient)] = True
+            others, kept = (starts[p] + i for i in by_mask(is_salient, n_salient))
+            assignment[kept] = kept
             if n_anchor > 0:
-                anchors.append(others[density_peaks(feats[others], n_anchor, DENSITY_K)[0]])
+                anchors.append(others[density_peaks(features[others].float(), n_anchor, DENSITY_K)[0]])
             rest.append(others)
         if anchors:
             rest, anchors = torch.cat(rest), torch.cat(anchors)
-            assignment[rest] = anchors[(unit[rest] @ unit[anchors].T).argmax(dim=1)]
+            unit = F.normalize(features[rest].float(), dim=-1)
+            assignment[rest] = anchors[(unit @ F.normalize(features[anchors].float(), dim=-1).T).argmax(dim=1)]
             assignment[anchors] = anchors
     return Compression(assignment, dtm_weights(assignment))
 
@@ -174,12 +181,12 @@ def dtm_weights(assignment: torch.Tensor) -> torch.Tensor:
     """(N,) float64 weights of the DTM merge: in a group of n tokens (its destination among them), the
     destination weighs w + (1 - w) / n and each other member (1 - w) / n, w = max(beta, 1 / (n + 1)); a
     group of one (a salient token, a lone anchor) is its token. Dropped tokens weigh 0."""
-    assignment = assignment.cpu()
     members = assignment != DROPPED
-    n = torch.bincount(assignment[members], minlength=len(assignment)).double()
-    n = torch.where(members, n[assignment.clamp(min=0)], torch.ones_like(n))
+    destination = assignment.clamp(min=0)
+    n = torch.zeros(len(assignment), dtype=torch.long, device=assignment.device)
+    n = n.scatter_add_(0, destination, members.long())[destination].double()
+    n = torch.where(members, n, torch.ones_like(n))
     w = (1 / (n + 1)).clamp(min=DTM_BETA)
     weights = (1 - w) / n
-    destination = assignment == torch.arange(len(assignment), device=assignment.device)
-    weights[destination] += w[destination]
+    weights = torch.where(assignment == torch.arange(len(assignment), device=assignment.device), weights + w, weights)
     return torch.where(members, weights, torch.zeros_like(weights))

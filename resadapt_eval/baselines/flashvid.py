@@ -79,15 +79,25 @@ Deviations, each for a reason:
 - Attention: Qwen has no [CLS] token; a_j is `received_attention` (the attention token j's 4
   patches received in the last ViT block, mean over heads and queries, then over the 4 patches),
   which is what the reference's Qwen code computes (`modeling_qwen2_5_vl.py:257-263,574-584`).
+
+Cost, as the reference's or less: per segment of F pairs of at most n tokens, ADTS on one (F, n, n)
+distance block batched over the segment's pairs (the reference: one (F, n, n) batch per segment),
+one batched greedy step per pick of the segment's largest ADTS share (O(F n) each; the reference's
+step t gathers t rows, O(F t n)); temporal similarities n^2 D per pair; DPC-kNN r^2 D on a pair's r
+trees; float32 copies of one segment's features at a time. Everything stays on the features'
+device. Host syncs: one read of the segment cuts, and one per segment of two or more pairs that
+merges anything (its trees per pair size the clustering); the reference has about 9 per frame of
+such segments and 6 per segment (`utils.py:57-60,192,295-345`).
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import torch
 
-from .common import DROPPED, Compression, VisualTokens, per_pair_budget, top
+from .common import DROPPED, Compression, VisualTokens, by_mask, per_pair_budget, top
 
 SEGMENT_THRESHOLD = 0.9
 MIN_SEGMENTS = 4  # scripts/qwen2_5_vl.sh and qwen3_vl.sh (the config default, 8, is for LLaVA)
@@ -104,40 +114,61 @@ def adts_count(budget: int) -> int:
 
 def segments(pair_means: torch.Tensor) -> list[list[int]]:
     """Runs of consecutive pair indices: threshold cuts, then complementary cuts at the lowest
-    transition similarities up to MIN_SEGMENTS segments."""
+    transition similarities up to MIN_SEGMENTS segments (one read of the cuts by the host)."""
     count = pair_means.shape[0]
     if count == 1:
         return [[0]]
     normed = pair_means / pair_means.norm(dim=-1, keepdim=True)
     sim = (normed[:-1] * normed[1:]).sum(dim=-1)
     below = sim < SEGMENT_THRESHOLD
-    cuts = set(torch.nonzero(below).flatten().tolist())
-    missing = MIN_SEGMENTS - (len(cuts) + 1)
-    if missing > 0:
-        filled = torch.where(below, torch.ones_like(sim), sim)
-        cuts |= set(torch.sort(filled, stable=True).indices[: min(missing, count - 1)].tolist())
+    missing = MIN_SEGMENTS - 1 - below.sum()
+    order = torch.sort(torch.where(below, torch.ones_like(sim), sim), stable=True).indices
+    rank = torch.empty_like(order).scatter_(0, order, torch.arange(count - 1, device=sim.device))
+    cuts = (below | (rank < missing)).tolist()
     groups, start = [], 0
-    for cut in sorted(cuts):
-        groups.append(list(range(start, cut + 1)))
-        start = cut + 1
+    for i, cut in enumerate(cuts):
+        if cut:
+            groups.append(list(range(start, i + 1)))
+            start = i + 1
     groups.append(list(range(start, count)))
     return groups
 
 
+def adts_distances(normed: torch.Tensor, attention: torch.Tensor) -> torch.Tensor:
+    """(n, n) ADTS distances of a pair's unit rows: d_ij = (1 - cos(i, j)) a_j (scaled)."""
+    return (1.0 - normed @ normed.T) * (attention * ATTENTION_SCALE)[None, :]
+
+
+def adts_picks(dist: torch.Tensor, count: int) -> torch.Tensor:
+    """(B, count) ADTS picks, in pick order, of B pairs at once from their (B, m, m) distances,
+    padded with +inf rows and -inf columns: the first pick maximises the second smallest d_ij over
+    i, each later one a column's smallest distance to the picks, picks excluded (argmax: the first)."""
+    rows = torch.arange(dist.shape[0], device=dist.device)
+    pick = dist.topk(min(2, dist.shape[1]), dim=1, largest=False).values[:, -1].argmax(dim=1)
+    picks, nearest = [pick], dist[rows, pick]
+    taken = torch.zeros_like(nearest, dtype=torch.bool)
+    for _ in range(1, count):
+        taken[rows, pick] = True
+        pick = torch.where(taken, -1.0, nearest).argmax(dim=1)
+        picks.append(pick)
+        nearest = torch.minimum(nearest, dist[rows, pick])
+    return torch.stack(picks, dim=1)
+
+
+def adts_segment(normed: list[torch.Tensor], attention: list[torch.Tensor], counts: list[int]) -> list[torch.Tensor]:
+    """Sorted ADTS picks of each of a segment's pairs (unit rows, attention, count), batched."""
+    size = max(x.shape[0] for x in normed)
+    dist = torch.full((len(normed), size, size), math.inf, dtype=normed[0].dtype, device=normed[0].device)
+    for b, (x, a) in enumerate(zip(normed, attention)):
+        dist[b, :, x.shape[0] :] = -math.inf  # padding columns are never picked
+        dist[b, : x.shape[0], : x.shape[0]] = adts_distances(x, a)
+    picks = adts_picks(dist, max(counts))
+    return [picks[b, :count].sort().values for b, count in enumerate(counts)]
+
+
 def adts(normed: torch.Tensor, attention: torch.Tensor, count: int) -> torch.Tensor:
-    """Sorted indices of `count` rows of `normed` (n, D), unit rows, chosen by ADTS."""
-    n = normed.shape[0]
-    if n == 1:
-        return torch.zeros(1, dtype=torch.long)  # cpu: picks are index bookkeeping, as below
-    dist = (1.0 - normed @ normed.T) * (attention * ATTENTION_SCALE)[None, :]  # column j weighted by a_j
-    chosen = [int(dist.topk(2, dim=0, largest=False).values[1].argmax())]
-    nearest = dist[chosen[0]].clone()
-    while len(chosen) < count:
-        score = nearest.clone()
-        score[chosen] = -1.0
-        chosen.append(int(score.argmax()))
-        nearest = torch.minimum(nearest, dist[chosen[-1]])
-    return torch.tensor(sorted(chosen), dtype=torch.long)  # cpu: the picks, Python ints
+    """Sorted indices of `count` rows of `normed` (n, D), unit rows, chosen by ADTS (one pair)."""
+    return adts_segment([normed], [attention], [count])[0]
 
 
 def cluster_counts(trees: list[int], clusters: int) -> list[int]:
@@ -171,104 +202,119 @@ def dpc_knn(feats: torch.Tensor, count: int) -> tuple[torch.Tensor, torch.Tensor
     centres = top(delta * density, count)
     owner = dist[:, centres].argmin(dim=1)
     owner[centres] = torch.arange(count, device=feats.device)
-    return centres.cpu(), owner.cpu()
+    return centres, owner
 
 
 def temporal_trees(
-    normed: torch.Tensor, ranges: list[tuple[int, int]], selected: list[torch.Tensor], budget: int
+    normed: torch.Tensor, sizes: list[int], selected: list[torch.Tensor], budget: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Root and parent (global indices; parent DROPPED when unmerged) of every token of a
-    segment's pairs `ranges` (start, size), in order."""
-    best, parent = [], []
-    for j, (start, size) in enumerate(ranges):
-        if j == 0:
-            best.append(torch.full((size,), -1.0, dtype=normed.dtype))  # cpu: as value.cpu() below
-            parent.append(torch.full((size,), -1, dtype=torch.long))  # cpu: as at.cpu() below
-            continue
-        prev_start, prev_size = ranges[j - 1]
-        sim = normed[start : start + size] @ normed[prev_start : prev_start + prev_size].T
-        sim[selected[j].to(sim.device), :] = -1.0
-        sim[:, selected[j - 1].to(sim.device)] = -1.0
+    """Root and parent (indices into the segment; parent DROPPED when unmerged) of every token of
+    a segment's pairs (unit rows `normed`, pair `sizes`, sorted ADTS picks per pair)."""
+    device = normed.device
+    best = [torch.full((sizes[0],), -1.0, dtype=normed.dtype, device=device)]
+    parent = [torch.full((sizes[0],), DROPPED, dtype=torch.long, device=device)]
+    start = 0
+    for j in range(1, len(sizes)):
+        prev, start = start, start + sizes[j - 1]
+        sim = normed[start : start + sizes[j]] @ normed[prev:start].T
+        sim[selected[j], :] = -1.0
+        sim[:, selected[j - 1]] = -1.0
         value, at = sim.max(dim=1)
-        best.append(value.cpu())
-        parent.append(at.cpu() + prev_start)
-    best_all = torch.cat(best)
-    merged = best_all > TEMPORAL_THRESHOLD
-    if int((~merged).sum()) < budget:
-        k = best_all.numel() - budget  # the reference's top-k: at most k - 1 tokens merge
-        if k <= 0:
-            merged = torch.zeros_like(merged)
-        else:
-            soft = max(float(torch.sort(best_all, descending=True).values[k - 1]), -1.0 + 1e-6)
-            merged = best_all > soft
-    roots, offset = [], 0
-    for j, (start, size) in enumerate(ranges):
-        root = torch.arange(start, start + size)  # cpu: tree bookkeeping, as parent
-        here = merged[offset : offset + size]
-        if here.any():
-            root[here] = roots[-1][parent[j][here] - ranges[j - 1][0]]
-        roots.append(root)
-        offset += size
-    return torch.cat(roots), torch.where(merged, torch.cat(parent), DROPPED)
+        best.append(value)
+        parent.append(at + prev)
+    best, parent = torch.cat(best), torch.cat(parent)
+    merged = best > TEMPORAL_THRESHOLD
+    k = best.numel() - budget  # the reference's top-k: at most k - 1 tokens merge
+    if k <= 0:
+        merged = torch.zeros_like(merged)
+    else:  # the k-th largest similarity is the (budget + 1)-th smallest
+        soft = best.kthvalue(budget + 1).values.clamp(min=-1.0 + 1e-6)
+        merged = torch.where((~merged).sum() < budget, best > soft, merged)
+    roots, start = [torch.arange(sizes[0], device=device)], 0
+    for j in range(1, len(sizes)):
+        prev, start = start, start + sizes[j - 1]
+        here = slice(start, start + sizes[j])
+        own = torch.arange(start, start + sizes[j], device=device)
+        roots.append(torch.where(merged[here], roots[-1][parent[here] - prev], own))
+    return torch.cat(roots), torch.where(merged, parent, DROPPED)
+
+
+def tree_counts(is_tree: torch.Tensor, sizes: list[int]) -> list[int]:
+    """Trees per pair of a segment: the host reads them (one sync), as they size the clustering."""
+    return torch.stack([t.sum() for t in is_tree.split(sizes)]).tolist()
+
+
+def merge_segment(
+    feats: torch.Tensor, normed: torch.Tensor, sizes: list[int], selected: list[torch.Tensor], budget: int, context: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Tree-based temporal merging, then DPC-kNN per pair, of a segment's unselected tokens (its
+    pairs' `sizes`, sorted ADTS picks per pair, `budget` and `context` tokens): each token's cluster
+    centre (an index into the segment; DROPPED for selected and dropped tokens) and weight."""
+    length, device = feats.shape[0], feats.device
+    if len(sizes) == 1:  # every unselected token is a tree of its own
+        root = torch.arange(length, device=device)
+        parent = torch.full((length,), DROPPED, dtype=torch.long, device=device)
+    else:
+        root, parent = temporal_trees(normed, sizes, selected, budget)
+    unselected = torch.ones(length, dtype=torch.bool, device=device)
+    unselected[torch.cat([s + picks for s, picks in zip(pair_starts(sizes), selected)])] = False
+    # a tree's feature: the sum of its members over 1 + its root's direct children (utils.py:303-337)
+    divisor = torch.ones(length, dtype=torch.long, device=device)
+    divisor.scatter_add_(0, parent.clamp(min=0), (parent != DROPPED).long())
+    tree_sum = torch.zeros_like(feats).index_add_(0, root, feats)
+    is_tree = unselected & (root == torch.arange(length, device=device))
+    trees = [length - len(selected[0])] if len(sizes) == 1 else tree_counts(is_tree, sizes)
+    counts = trees if sum(trees) <= context else cluster_counts(trees, context)
+    centre = torch.full((length,), DROPPED, dtype=torch.long, device=device)  # each tree's centre root
+    for start, size, t, clusters in zip(pair_starts(sizes), sizes, trees, counts):
+        roots = start + by_mask(is_tree[start : start + size], t)[1]
+        if clusters >= t:
+            centre[roots] = roots
+        elif clusters > 0:
+            centres, owner = dpc_knn(tree_sum[roots] / divisor[roots].to(feats.dtype)[:, None], clusters)
+            centre[roots] = roots[centres][owner]
+    member_centre = torch.where(unselected, centre[root], DROPPED)
+    trees_in = torch.zeros(length, dtype=torch.long, device=device)  # trees per cluster, by centre
+    trees_in.scatter_add_(0, centre.clamp(min=0), (centre != DROPPED).long())
+    return member_centre, 1.0 / (trees_in[member_centre.clamp(min=0)] * divisor[root]).double()
+
+
+def pair_starts(sizes: list[int]) -> list[int]:
+    """Where each pair of a segment starts, from the pairs' sizes."""
+    return list(itertools.accumulate(sizes[:-1], initial=0))
 
 
 def compress(tokens: VisualTokens, keep: int, seed: int = 0) -> Compression:
     if tokens.received_attention is None:
         raise ValueError("flashvid needs the last ViT block's received attention")
-    feats = tokens.features.detach()
-    feats = feats.to(torch.promote_types(feats.dtype, torch.float32))
-    normed = feats / feats.norm(dim=-1, keepdim=True)
-    attention = tokens.received_attention.detach().to(device=feats.device, dtype=feats.dtype)
-    n = feats.shape[0]
-    # index bookkeeping (assignment, weights, masks, trees) is on the CPU: the picks are Python ints
-    # (adts, dpc_knn and temporal_trees return CPU indices); the features stay on their device
-    assignment = torch.full((n,), DROPPED, dtype=torch.long)  # cpu: a CPU Compression, moved by merge_groups
-    weights = torch.zeros(n, dtype=torch.float64)  # cpu: as the assignment
+    features = tokens.features.detach()
+    dtype = torch.promote_types(features.dtype, torch.float32)
+    device = features.device
+    attention = tokens.received_attention.detach().to(device=device, dtype=dtype)
+    n = features.shape[0]
+    assignment = torch.full((n,), DROPPED, dtype=torch.long, device=device)
+    weights = torch.zeros(n, dtype=torch.float64, device=device)
     starts, sizes = tokens.pair_starts, tokens.pair_sizes
     budget = per_pair_budget(sizes, keep)
-    means = torch.stack([feats[s : s + k].mean(dim=0) for s, k in zip(starts, sizes)])
+    means = torch.stack([features[s : s + k].to(dtype).mean(dim=0) for s, k in zip(starts, sizes)])
     for seg in segments(means):
-        ranges = [(starts[p], sizes[p]) for p in seg]
-        selected = []
-        for p, (start, size) in zip(seg, ranges):
-            chosen = adts(normed[start : start + size], attention[start : start + size], adts_count(budget[p]))
-            assignment[start + chosen] = start + chosen
-            weights[start + chosen] = 1.0
-            mask = torch.zeros(size, dtype=torch.bool)  # cpu: indexed by the CPU picks
-            mask[chosen] = True
-            selected.append(mask)
+        first, seg_sizes = starts[seg[0]], [sizes[p] for p in seg]  # the segment's tokens are contiguous
+        here = slice(first, first + sum(seg_sizes))
+        feats = features[here].to(dtype)
+        normed = feats / feats.norm(dim=-1, keepdim=True)
+        selected = adts_segment(
+            [normed[s : s + k] for s, k in zip(pair_starts(seg_sizes), seg_sizes)],
+            [attention[here][s : s + k] for s, k in zip(pair_starts(seg_sizes), seg_sizes)],
+            [adts_count(budget[p]) for p in seg],
+        )
+        chosen = first + torch.cat([s + picks for s, picks in zip(pair_starts(seg_sizes), selected)])
+        assignment[chosen] = chosen
+        weights[chosen] = 1.0
         context = sum(budget[p] - adts_count(budget[p]) for p in seg)
         if context == 0:
             continue  # only the ADTS tokens stay (utils.py:118-141)
-        first, length = ranges[0][0], sum(size for _, size in ranges)  # the segment's tokens are contiguous
-        if len(seg) == 1:
-            root, parent = torch.arange(first, first + length), torch.full((length,), DROPPED)  # cpu: tree bookkeeping
-        else:
-            root, parent = temporal_trees(normed, ranges, selected, sum(budget[p] for p in seg))
-        unselected = ~torch.cat(selected)
-        members = torch.arange(first, first + length)[unselected]  # cpu: masked by the CPU selection
-        member_root = root[unselected]
-        # a tree's feature: the sum of its members over 1 + its root's direct children (utils.py:303-337)
-        children = torch.bincount(parent[parent != DROPPED] - first, minlength=length)  # by local index
-        divisor = 1 + children
-        tree_sum = torch.zeros(length, feats.shape[1], dtype=feats.dtype, device=feats.device)
-        tree_sum.index_add_(0, (member_root - first).to(feats.device), feats[members.to(feats.device)])
-        pair_trees = [members[(member_root == members) & (members >= s) & (members < s + k)] for s, k in ranges]
-        trees = [len(t) for t in pair_trees]
-        counts = trees if sum(trees) <= context else cluster_counts(trees, context)
-        centre = torch.full((n,), DROPPED, dtype=torch.long)  # cpu: each tree's cluster centre (a tree root)
-        for roots, clusters in zip(pair_trees, counts):
-            if clusters >= len(roots):
-                centre[roots] = roots
-            elif clusters > 0:
-                local = roots - first
-                tree_feats = tree_sum[local.to(feats.device)] / divisor[local].to(feats)[:, None]
-                centres, owner = dpc_knn(tree_feats, clusters)
-                centre[roots] = roots[centres][owner]
-        member_centre = centre[member_root]
-        kept = member_centre != DROPPED
-        tree_centres = member_centre[(member_root == members) & kept]
-        trees_in = torch.bincount(tree_centres, minlength=n)  # trees per cluster, by centre
-        assignment[members[kept]] = member_centre[kept]
-        weights[members[kept]] = 1.0 / (trees_in[member_centre[kept]] * divisor[member_root[kept] - first]).double()
+        centre, share = merge_segment(feats, normed, seg_sizes, selected, sum(budget[p] for p in seg), context)
+        merged = centre != DROPPED
+        assignment[here] = torch.where(merged, first + centre, assignment[here])
+        weights[here] = torch.where(merged, share, weights[here])
     return Compression(assignment, weights)

@@ -17,18 +17,20 @@ from .common import DROPPED, Compression, VisualTokens, check_keep
 def compress(tokens: VisualTokens, keep: int, seed: int = 0) -> Compression:
     """One random token per pair first (every pair keeps at least one), the rest uniformly."""
     check_keep(tokens.pair_sizes, keep)
-    n = tokens.features.shape[0]
+    n, pairs = tokens.features.shape[0], len(tokens.pair_sizes)
     # the seeded draw runs on the CPU generator, so a seed selects the same tokens on any device
     generator = torch.Generator().manual_seed(seed)
-    chosen = [
-        start + int(torch.randint(size, (1,), generator=generator))  # cpu: the seeded draw
-        for start, size in zip(tokens.pair_starts, tokens.pair_sizes)
-    ]
-    remaining = torch.ones(n, dtype=torch.bool)  # cpu: index bookkeeping of the draw
-    remaining[chosen] = False
-    pool = torch.nonzero(remaining).flatten()
-    extra = pool[torch.randperm(len(pool), generator=generator)[: keep - len(chosen)]]  # cpu: the seeded draw
+    chosen = torch.cat(
+        [
+            start + torch.randint(size, (1,), generator=generator)  # cpu: the seeded draw
+            for start, size in zip(tokens.pair_starts, tokens.pair_sizes)
+        ]
+    )
+    taken = torch.zeros(n, dtype=torch.bool)  # cpu: index bookkeeping of the draw
+    taken[chosen] = True
+    pool = torch.sort(taken.to(torch.uint8), stable=True).indices[: n - pairs]  # the other tokens, in order
+    extra = pool[torch.randperm(n - pairs, generator=generator)[: keep - pairs]]  # cpu: the seeded draw
     assignment = torch.full((n,), DROPPED, dtype=torch.long)  # cpu: a CPU Compression, moved by merge_groups
-    kept = torch.cat([torch.tensor(chosen, dtype=torch.long), extra])  # cpu: the draws, Python ints
+    kept = torch.cat([chosen, extra])
     assignment[kept] = kept
     return Compression(assignment)

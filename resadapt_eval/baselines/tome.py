@@ -77,5 +77,5 @@ def compress(tokens: VisualTokens, keep: int, seed: int = 0) -> Compression:
     budget = per_pair_budget(tokens.pair_sizes, keep)
     parts = []
     for start, size, target in zip(tokens.pair_starts, tokens.pair_sizes, budget):
-        parts.append(merge_pair(tokens.features[start : start + size], target).cpu() + start)
+        parts.append(merge_pair(tokens.features[start : start + size], target) + start)
     return Compression(torch.cat(parts))

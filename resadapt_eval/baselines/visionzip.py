@@ -54,7 +54,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .common import DROPPED, Compression, VisualTokens, per_pair_budget, top
+from .common import DROPPED, Compression, VisualTokens, by_mask, per_pair_budget, top
 
 DOMINANT_FRACTION = 54 / 64
 
@@ -68,28 +68,30 @@ def split(k: int) -> tuple[int, int]:
 def compress(tokens: VisualTokens, keep: int, seed: int = 0) -> Compression:
     if tokens.received_attention is None or tokens.keys is None:
         raise ValueError("visionzip needs the last ViT block's received attention and keys")
-    n = tokens.features.shape[0]
-    # the selection is on the CPU (per-pair budgets, Python-sized splits): one transfer of the attention and
-    # keys here; the Compression is on the CPU and merge_groups moves it to the features
-    assignment = torch.full((n,), DROPPED, dtype=torch.long)  # cpu: index bookkeeping, see above
-    weights = torch.ones(n, dtype=torch.float64)  # cpu: index bookkeeping, see above
-    attention = tokens.received_attention.detach().cpu()
-    keys = tokens.keys.detach().cpu()
+    n, device = tokens.features.shape[0], tokens.features.device
+    assignment = torch.full((n,), DROPPED, dtype=torch.long, device=device)
+    weights = torch.ones(n, dtype=torch.float64, device=device)
+    attention = tokens.received_attention.detach().to(device)
+    keys = tokens.keys.detach().to(device)
     keys = keys.to(torch.promote_types(keys.dtype, torch.float32))
     for start, size, k in zip(tokens.pair_starts, tokens.pair_sizes, per_pair_budget(tokens.pair_sizes, keep)):
-        index = torch.arange(start, start + size)  # cpu: index bookkeeping, see above
         n_dom, n_ctx = split(k)
-        dominant = index[top(attention[index], n_dom)]
-        assignment[dominant] = dominant
+        is_dominant = torch.zeros(size, dtype=torch.bool, device=device)
+        is_dominant[top(attention[start : start + size], n_dom)] = True
+        rest, dominant = by_mask(is_dominant, n_dom)  # rest: original order
+        assignment[start + dominant] = start + dominant
         if n_ctx == 0:
             continue
-        rest = index[~torch.isin(index, dominant)]  # original order
-        is_target = torch.zeros(len(rest), dtype=torch.bool)  # cpu: index bookkeeping, see above
-        is_target[torch.arange(0, len(rest), max(1, len(rest) // n_ctx))[:n_ctx]] = True  # cpu: marks the CPU targets
-        targets, members = rest[is_target], rest[~is_target]
-        metric = F.normalize(keys[rest], dim=-1)
-        nearest = (metric[~is_target] @ metric[is_target].T).argmax(dim=1)
+        at = torch.arange(0, size - n_dom, max(1, (size - n_dom) // n_ctx), device=device)[:n_ctx]
+        is_target = torch.zeros(size - n_dom, dtype=torch.bool, device=device)
+        is_target[at] = True
+        members, targets = (start + rest[i] for i in by_mask(is_target, len(at)))
+        metric = F.normalize(keys[members], dim=-1) @ F.normalize(keys[targets], dim=-1).T
+        nearest = metric.argmax(dim=1)
+        group_size = torch.zeros(len(targets), dtype=torch.long, device=device).scatter_add_(
+            0, nearest, torch.ones_like(nearest)
+        )
         assignment[targets] = targets
         assignment[members] = targets[nearest]
-        weights[members] = 1.0 / torch.bincount(nearest, minlength=n_ctx)[nearest].double()
+        weights[members] = 1.0 / group_size[nearest].double()
     return Compression(assignment, weights)
