@@ -4,7 +4,8 @@ same random tensors.
 Reference: Visual-AI/PruneVid@b12600c, models/pllava/modeling_pllava.py (`cluster_dpc_knn` :111-169,
 `segment_lengths` :184-211, `refine_clusters` :213-316, `compute_cluster_vectors` :714-757,
 `spatial_merge_tokens` :759-762, `merge_frames_dynamic` :764-827), models/pllava/elastic_cache.py
-(`VTPWindowCache` :108-207) and models/pllava/llama.py :1417-1462 (the LLM stage after layer
+(`VTPWindowCache` :108-207) and models/pllava/llama.py :445-449, :514 (the map the stage ranks by:
+`attn_weights_wo_pos`, without rotary and causal mask) and :1417-1462 (the LLM stage after layer
 `selected_layer`); defaults from scripts/eval.sh :8-12 (selected_layer 10, alpha 0.4, tau 0.8,
 temporal_segment_ratio 0.25, cluster_ratio 0.5).
 
@@ -12,6 +13,7 @@ Every deviation documented in `resadapt_eval/baselines/prunevid.py` is applied t
 (each is named where it is applied); everything else is the reference's rule.
 """
 
+import copy
 import math
 from dataclasses import replace
 
@@ -271,23 +273,66 @@ def test_fidelity_prunevid_stage_schedule():
     assert prunevid.stages(32, 1000, 0.1)[0] == Stage(11, 400, rank_by=TEXT_AFTER_VISUAL)
 
 
+def ref_attention_wo_pos(attention, normed: torch.Tensor) -> torch.Tensor:
+    """(1, heads, L, L) the map the reference's stage reads: `attn_weights_wo_pos`, llama.py :445-449, returned
+    at :514 in the prefill (the text model is built with SDPA, modeling_pllava.py :586, whose layer falls back
+    to this eager forward, :645-660, since the stage's layer asks for attentions, :1417-1418). On the attention
+    input `normed` (after input_layernorm, :892-904): q_proj / k_proj (:437-438), split into heads (:441-442),
+    q k^T / sqrt(head_dim) (:447) with NO rotary (applied only after, :451-452) and NO causal mask (added only
+    to the real attention, :478-480), softmax in float32 cast back to the model's dtype (:448).
+    Adaptations to Qwen: Qwen3-VL's per-head q/k norms (part of its projections), and each key head repeated
+    for its group of query heads (`repeat_kv`; PLLaVA-7B's LLaMA has one key head per query head)."""
+    bsz, q_len, _ = normed.shape
+    d = attention.head_dim
+    query_states = attention.q_proj(normed).view(bsz, q_len, -1, d)
+    key_states = attention.k_proj(normed).view(bsz, q_len, -1, d)
+    if hasattr(attention, "q_norm"):
+        query_states, key_states = attention.q_norm(query_states), attention.k_norm(key_states)
+    query_states, key_states = query_states.transpose(1, 2), key_states.transpose(1, 2)
+    key_states = key_states.repeat_interleave(query_states.shape[1] // key_states.shape[1], dim=1)
+    attn_weights_wo_pos = torch.matmul(query_states, key_states.transpose(2, 3)) / math.sqrt(d)  # :447
+    return F.softmax(attn_weights_wo_pos, dim=-1, dtype=torch.float32).to(query_states.dtype)  # :448
+
+
+def attention_input_and_run(model, embeds: torch.Tensor, layer: int):
+    """`plain_run` (the eager, rotary and causal map of layer `layer - 1` and the hidden states entering layer
+    `layer`), plus the input of layer `layer - 1`'s attention, what the reference's map is computed on."""
+    seen = {}
+
+    def capture(module, args, kwargs):
+        seen["normed"] = (args[0] if args else kwargs["hidden_states"]).clone()
+
+    handle = model.layers[layer - 1].self_attn.register_forward_pre_hook(capture, with_kwargs=True)
+    try:
+        eager, hidden = plain_run(model, embeds, layer)
+    finally:
+        handle.remove()
+    return seen["normed"], eager, hidden
+
+
 @pytest.mark.parametrize("visual", [15, 16])
 @pytest.mark.parametrize("backbone", BACKBONES)
 def test_fidelity_prunevid_stage_inside_the_llm_matches_the_reference(text_models, backbone, visual):
-    """VTPWindowCache (elastic_cache.py :120-199) on the eager attention map of the layer before the stage: the
-    text tokens after the video attend to the visual tokens (:157-168), max over heads, then over those tokens
-    (:125); the top tokens stay, in their order (:173-177), and the later layers see only them (:180-199).
-    Deviation: the top `keep` over all visual tokens (the reference keeps int(alpha size) within each static group
-    and each frame's dynamic tokens, which the merged tokens no longer carry)."""
+    """VTPWindowCache (elastic_cache.py :120-202) on the map the layer before the stage returns (llama.py :1417-1418,
+    :1457-1461; `ref_attention_wo_pos`: no rotary, no causal mask): the text tokens after the video attend to the
+    visual tokens (:157-168: rows img_end + 1 on, columns img_start..img_end of the softmax over all L keys), max
+    over heads, then over those tokens (:125); the top tokens stay, in their order (:173-177), and the later layers
+    see only them (:180-199). Deviation: the top `keep` over all visual tokens (the reference keeps int(alpha size)
+    within each static group and each frame's dynamic tokens, which the merged tokens no longer carry).
+    The test discriminates: on some cases the eager map's (rotary, causal) rule keeps other tokens."""
     model, first = text_models[backbone]
     (stage,) = prunevid.stages(len(model.layers), visual, 0.4, None, first)
+    attention_module = model.layers[stage.layer - 1].self_attn
     g = torch.Generator().manual_seed(visual + 100 * BACKBONES.index(backbone))
+    eager_differs = 0
     for case in range(CASES):
         keep = [1, visual - 1][case] if case < 2 else int(torch.randint(1, visual, (), generator=g))
         embeds, positions = random_prompt(g, model.config.hidden_size, visual)
-        attention, hidden = plain_run(model, embeds, stage.layer)
+        normed, eager, hidden = attention_input_and_run(model, embeds, stage.layer)
+        with torch.no_grad():
+            attentions = ref_attention_wo_pos(attention_module, normed)  # layer_outputs[1], :1459
         img_start, img_end = int(positions[0]), int(positions[-1])
-        text_to_image = attention[:, :, img_end + 1 :, img_start : img_end + 1]  # :163
+        text_to_image = attentions[:, :, img_end + 1 :, img_start : img_end + 1]  # :163
         scores = text_to_image[0].max(dim=0)[0].max(dim=0)[0]  # :125
         top = torch.topk(scores, k=keep).indices  # :137 / :143, one group (deviation)
         image = (top + img_start).sort().values  # :175-177
@@ -295,3 +340,37 @@ def test_fidelity_prunevid_stage_inside_the_llm_matches_the_reference(text_model
         kept, ours = pruned_run(model, embeds, replace(stage, keep=keep), positions)
         assert kept.tolist() == index_list.tolist(), (backbone, visual, keep)
         torch.testing.assert_close(ours, hidden[:, index_list], atol=1e-6, rtol=0)  # :187 hidden_states[:, index_list]
+        eager_scores = eager[0, :, img_end + 1 :, img_start : img_end + 1].amax(dim=(0, 1))
+        eager_top = (torch.topk(eager_scores, k=keep).indices + img_start).sort().values
+        eager_differs += not torch.equal(eager_top, image)
+    assert eager_differs > 0
+
+
+@pytest.mark.parametrize("backbone", BACKBONES)
+def test_fidelity_prunevid_stage_ranking_in_bfloat16(text_models, backbone):
+    """The same rule in the model's dtype (bfloat16): the reference's softmax runs in float32 and is cast back
+    before the max over heads and text tokens (llama.py :448, elastic_cache.py :125), so the scores are equal to
+    the bit, and bfloat16 ties are frequent. Deviation (documented): ties go to the earlier token (the
+    reference's `torch.topk` leaves their order unspecified)."""
+    from resadapt_eval.backbones.layer_pruning import text_attention
+
+    model, first = text_models[backbone]
+    visual = 16
+    (stage,) = prunevid.stages(len(model.layers), visual, 0.4, None, first)
+    model = copy.deepcopy(model).to(torch.bfloat16)
+    attention_module = model.layers[stage.layer - 1].self_attn
+    g = torch.Generator().manual_seed(7 + BACKBONES.index(backbone))
+    for case in range(8):
+        keep = int(torch.randint(1, visual, (), generator=g))
+        embeds, positions = random_prompt(g, model.config.hidden_size, visual)
+        embeds = embeds.to(torch.bfloat16)
+        normed, _, _ = attention_input_and_run(model, embeds, stage.layer)
+        img_start, img_end = int(positions[0]), int(positions[-1])
+        with torch.no_grad():
+            attentions = ref_attention_wo_pos(attention_module, normed)
+            ours = text_attention(attention_module, normed, None, None, img_end + 1)
+        scores = attentions[0, :, img_end + 1 :, img_start : img_end + 1].max(dim=0)[0].max(dim=0)[0]  # :163, :125
+        assert scores.dtype == torch.bfloat16 and torch.equal(ours[img_start : img_end + 1], scores)
+        top = sorted(range(visual), key=lambda i: (-float(scores[i]), i))[:keep]  # :137, ties to the earlier
+        kept, _ = pruned_run(model, embeds, replace(stage, keep=keep), positions)
+        assert kept[torch.isin(kept, positions)].tolist() == sorted(i + img_start for i in top), (backbone, keep)

@@ -1,5 +1,5 @@
 """Compressors with their own stage inside the LLM (PruneVid, HoliTom): the joint budget solved by
-hand, PruneVid's question-attention ranking against the eager attention maps, HoliTom's in-order
+hand, PruneVid's question-attention ranking against the reference's unrotated, unmasked map, HoliTom's in-order
 merging against the reference's loop, R=1 equal to vanilla, and layer-averaged budgets through the
 pipeline on both tiny backbones."""
 
@@ -59,9 +59,12 @@ def test_merging_equals_the_reference_loop():
 
 
 @pytest.mark.parametrize("backbone", BACKBONES)
-def test_prunevid_ranks_by_the_texts_attention_in_the_eager_map(eager_adapters, backbone):
-    """PruneVid's rule, from the model's own attention maps: the visual tokens with the highest
-    attention from the text after the video in layer K - 1 (max over heads and those tokens)."""
+def test_prunevid_ranks_by_the_texts_unrotated_unmasked_attention(eager_adapters, backbone):
+    """PruneVid's rule in a real forward: the visual tokens with the highest attention from the text after the
+    video in layer K - 1 (max over heads and those tokens), on the map the reference returns,
+    `attn_weights_wo_pos` (Visual-AI/PruneVid@b12600c models/pllava/llama.py :445-449, :514): q k^T / sqrt(d)
+    of the attention input's projections with no rotary and no causal mask, softmax in float32 cast to the
+    model's dtype. Not the model's own eager map (rotary and causal), which ranks otherwise."""
     adapter = eager_adapters[backbone]
     px = adapter.grid.token_px
     plan = plan_from_scales([1.0] * 8, (4 * px, 6 * px), adapter.grid)
@@ -72,19 +75,30 @@ def test_prunevid_ranks_by_the_texts_attention_in_the_eager_map(eager_adapters, 
     visual = torch.nonzero(inputs["mm_token_type_ids"][0] == VIDEO_TOKEN_TYPE).flatten()
     after = int(visual.max()) + 1
     k_layer, keep = 4, 10
-    rows = out.attentions[k_layer - 1][0, :, after:]  # (heads, text after the video, L): the reference's map
-    expected = set(visual[torch.topk(rows.amax(dim=(0, 1))[visual], keep).indices].tolist())
-
     language_model = adapter.model.model.language_model
+    attention = language_model.layers[k_layer - 1].self_attn
+    states, (cos, sin) = attention_input(adapter, inputs, k_layer - 1)
+    with torch.no_grad():  # the reference's map, written out on the whole sequence
+        d, length = attention.head_dim, states.shape[1]
+        q, k = attention.q_proj(states).view(length, -1, d), attention.k_proj(states).view(length, -1, d)
+        if hasattr(attention, "q_norm"):
+            q, k = attention.q_norm(q), attention.k_norm(k)
+        q, k = q.transpose(0, 1), k.transpose(0, 1)
+        k = k.repeat_interleave(q.shape[0] // k.shape[0], dim=0)
+        wo_pos = torch.softmax(q @ k.transpose(1, 2) / d**0.5, dim=-1, dtype=torch.float32).to(q.dtype)
+    reference = wo_pos[:, after:].amax(dim=(0, 1))  # (L,)
+    expected = set(visual[torch.topk(reference[visual], keep).indices].tolist())
+    eager = out.attentions[k_layer - 1][0, :, after:].amax(dim=(0, 1))  # the model's map: rotary, causal
+    assert set(visual[torch.topk(eager[visual], keep).indices].tolist()) != expected
+
     pruner = LayerPruner(language_model, [Stage(k_layer, keep, rank_by=TEXT_AFTER_VISUAL)], visual)
     adapter.model.model.rope_deltas = None
     with torch.no_grad(), pruner.attached():
         adapter.model(**inputs)
     assert set(pruner.kept_by_layer[k_layer].tolist()) & set(visual.tolist()) == expected
-    states, (cos, sin) = attention_input(adapter, inputs, k_layer - 1)
     with torch.no_grad():
-        ours = text_attention(language_model.layers[k_layer - 1].self_attn, states, cos, sin, after)
-    assert torch.allclose(ours, rows.amax(dim=(0, 1)), atol=1e-6)
+        ours = text_attention(attention, states, cos, sin, after)
+    torch.testing.assert_close(ours, reference, atol=1e-6, rtol=0)
 
 
 @pytest.mark.parametrize("backbone", BACKBONES)

@@ -73,10 +73,35 @@ def stage_input_attention(layer: torch.nn.Module, hidden: torch.Tensor, cos, sin
     return weights[0, :, 0].mean(dim=0)
 
 
+def unrotated_qk(attention: torch.nn.Module, hidden: torch.Tensor, first_query: int):
+    """(1, heads, Q, d) queries of the last Q = L - first_query of L tokens and (1, heads, L, d) keys
+    of all L (each key head repeated for its group of query heads), from `attention`'s own q/k
+    projections (and Qwen3-VL's per-head q/k norms) on its input `hidden` (1, L, H), with no rotary."""
+    d, length = attention.head_dim, hidden.shape[1]
+    q = attention.q_proj(hidden[:, first_query:]).view(1, length - first_query, -1, d)
+    k = attention.k_proj(hidden).view(1, length, -1, d)
+    if hasattr(attention, "q_norm"):  # Qwen3-VL normalises q and k per head (part of its projections)
+        q, k = attention.q_norm(q), attention.k_norm(k)
+    q, k = q.transpose(1, 2), k.transpose(1, 2)  # (1, heads, Q, d), (1, kv_heads, L, d)
+    return q, k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
+
+
 def text_attention(attention: torch.nn.Module, hidden: torch.Tensor, cos, sin, first_query: int) -> torch.Tensor:
-    """(L,) attention of the text tokens from `first_query` on over all L, max over heads and
-    those tokens (PruneVid's ranking by the question)."""
-    return query_attention(attention, hidden, cos, sin, first_query).amax(dim=(0, 1))
+    """(L,) PruneVid's ranking by the question: the attention of the text tokens from `first_query` on
+    (the text after the video) over all L, max over heads and those tokens, as the reference's stage
+    reads it. That map is `attn_weights_wo_pos` (Visual-AI/PruneVid@b12600c models/pllava/llama.py
+    :445-449, returned at :514 in the prefill; the SDPA layer, modeling_pllava.py :586, falls back to
+    it at :645-660 since the stage's layer asks for attentions, :1417-1418): q k^T of the layer's
+    projections WITHOUT rotary (applied only after, :451-452) and WITHOUT the causal mask (added only
+    to the real attention, :478-480), divided by sqrt(head_dim) in the model's dtype, softmax over
+    all L keys in float32 cast back to that dtype; then max over heads and over the query rows after
+    the video, in that dtype (elastic_cache.py :163, :125). Key heads are repeated for GQA (the
+    reference's LLaMA-7B has one per query head). `cos`, `sin` are unused (the other rankings'
+    signature). Only the Q query rows are projected: a (heads, Q, L) map, never L x L."""
+    q, k = unrotated_qk(attention, hidden, first_query)
+    logits = torch.matmul(q, k.transpose(-1, -2)) / math.sqrt(attention.head_dim)  # (1, heads, Q, L)
+    weights = torch.softmax(logits, dim=-1, dtype=torch.float32).to(q.dtype)
+    return weights[0].amax(dim=(0, 1))
 
 
 def merge_into_nearest(hidden: torch.Tensor, kept: torch.Tensor, dropped: torch.Tensor) -> torch.Tensor:

@@ -12,7 +12,11 @@ top `keep` stay, in their original order (ties: the earlier token first):
 - `STAGE_INPUT`: the same row computed with the stage layer's own input_layernorm and q/k
   projections on the hidden states entering it, softmax in float32 cast back to the model's dtype,
   mean over heads in that dtype (PyramidDrop's `pdrop_rank_drop`);
-- `TEXT_AFTER_VISUAL`: every text token after the video, max over them and heads (PruneVid).
+- `TEXT_AFTER_VISUAL`: every text token after the video, in the layer before the stage, on the map
+  PruneVid's reference ranks by (`attn_weights_wo_pos`, Visual-AI/PruneVid@b12600c
+  models/pllava/llama.py:445-449, :514): q k^T / sqrt(head_dim) of that layer's q/k projections with
+  no rotary and no causal mask, softmax over every key in float32 cast back to the model's dtype, max
+  over those tokens and heads in that dtype (elastic_cache.py:125, :163).
 
 Retention (one rule for every method, see docs/budget.md): R is the layer-averaged share of visual
 tokens, sum over layers of the visual tokens in that layer / (layers x N); the schedules solve
@@ -31,7 +35,7 @@ from ..budget.plan import InfeasibleBudget
 # How a stage ranks the visual tokens (see the module docstring):
 LAST_TOKEN = "last_token"  # the prompt's last token's attention in the layer before, mean over heads (FastV, HoliTom)
 STAGE_INPUT = "stage_input"  # the same row from the stage layer's own norm and q/k on its input (PyramidDrop)
-TEXT_AFTER_VISUAL = "text_after_visual"  # text after the video, max over them and heads, layer before (PruneVid)
+TEXT_AFTER_VISUAL = "text_after_visual"  # text after the video, no rotary nor mask, max over them and heads (PruneVid)
 
 
 @dataclass(frozen=True)

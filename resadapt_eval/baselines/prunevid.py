@@ -20,7 +20,14 @@ What the method does (with Qwen frame pairs as frames):
 4. Inside the LLM (`stages`): after layer 10 of PLLaVA-7B's 32, the visual tokens are ranked by the attention
    the text tokens after the video (the question and the answer prompt) pay them in that layer, max over heads
    and over those tokens, and the top alpha = 0.4 stay for the later layers (`VTPWindowCache` in
-   models/pllava/elastic_cache.py, `selected_layer` and `alpha` in scripts/eval.sh).
+   models/pllava/elastic_cache.py :120-202, `selected_layer` and `alpha` in scripts/eval.sh). That attention is
+   the layer's `attn_weights_wo_pos` (models/pllava/llama.py :445-449, returned at :514; the SDPA text model,
+   modeling_pllava.py :586, falls back to this eager forward at llama.py :645-660 since the layer asks for
+   attentions, :1417-1418): q k^T / sqrt(head_dim) of its q/k projections WITHOUT rotary (applied only after,
+   :451-452) and WITHOUT the causal mask (:478-480), softmax over all keys in float32 cast back to the model's
+   dtype (:448); the max over heads and text tokens runs in that dtype (elastic_cache.py :125). Ours is the
+   same (`layer_pruning.text_attention`), on only the text query rows, from the layer's own projections (so
+   also under SDPA / FlashAttention).
 
 Deviations from the reference:
 - Budget: the retention R is layer-averaged over both stages (docs/budget.md). The LLM stage keeps its paper
@@ -31,6 +38,9 @@ Deviations from the reference:
   layers, or at `prune_layers`. It keeps floor(max(alpha, R) n) of the n tokens that entered, ranked over all of them;
   the reference keeps int(alpha size) within each static group and each frame's dynamic tokens, which the
   merged tokens entering the LLM no longer carry.
+- The LLM stage's ranking: Qwen3-VL's per-head q/k norms are part of its projections, key heads are repeated
+  for GQA (PLLaVA-7B's LLaMA has one per query head), and ties go to the earlier token (the reference's
+  `torch.topk` leaves their order unspecified).
 - The reference also drops the pruned tokens from the KV cache of the layers before the stage, which changes
   only the decoding steps; here those layers keep them (as FastV does).
 - A "frame" is one Qwen frame pair (`pair_sizes` tokens), compared after the vision merger.
