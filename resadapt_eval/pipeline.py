@@ -135,7 +135,11 @@ class VideoPipeline:
 
             allocator = load_allocator(self.spec.allocator, device=backbone.device)
             self.allocator = AllocatorPolicy(
-                allocator, self.spec.allocator_inference, self.spec.allocator_quantile, self.spec.allocator_seed
+                allocator,
+                self.spec.allocator_inference,
+                self.spec.allocator_quantile,
+                self.spec.allocator_seed,
+                resize=self.spec.resize,
             )
 
     def run(self, request: Request) -> tuple[str, SampleRecord]:

@@ -40,8 +40,10 @@ class VideoPipelineConfig:
     allocator_transfer: run an Allocator whose `backbone.json` names another backbone on purpose (as
     the paper runs its Qwen2.5-VL Allocator on Qwen3-VL; without it such a checkpoint stops at start;
     methods without an Allocator ignore it, so a card can set it for every cell); resize: how frames
-    are resized to their planned sizes, `exact` (torchvision's float path, as qwen-vl-utils) or `fast`
-    (its uint8 kernel, a few uint8 levels off; `backbones.layout.resize_frames`).
+    are resized to their planned sizes and to the Allocator's square input, `exact` (torchvision's
+    float path, as qwen-vl-utils) or `fast` (its uint8 kernels, a few uint8 levels off;
+    `backbones.layout.resize_frames`, `allocator.encoders.coarse_frames`); either runs on the model's
+    device.
     These are the parsed model_args; the pipeline runs with them resolved (`RunSpec.resolve`)."""
 
     method: str = "vanilla"

@@ -41,9 +41,9 @@ def test_only_one_chunk_is_converted_to_float_at_full_resolution(monkeypatch):
     enc = build_encoders("tiny")
     seen = []
 
-    def recording(x, size, mean, std):
+    def recording(x, size, mean, std, resize):
         seen.append(tuple(x.shape))
-        return coarse(x, size, mean, std)
+        return coarse(x, size, mean, std, resize)
 
     coarse = encoders.coarse_frames
     monkeypatch.setattr(encoders, "coarse_frames", recording)
@@ -118,3 +118,21 @@ def test_the_num_threads_model_arg_sets_the_threads_of_the_evaluating_process(fi
     torch.set_num_threads(2)
     model = ResAdaptQwen25VL(pretrained=str(fixtures_dir / "qwen25vl"), method="vanilla", device="cpu", num_threads=1)
     assert torch.get_num_threads() == 1 and model.model_args["num_threads"] == 1
+
+
+def test_fast_coarse_frames_use_the_uint8_kernel_within_a_few_levels_of_the_float_path():
+    """`coarse_frames(resize="fast")`: the Allocator's square input through torchvision's uint8
+    bilinear kernel, each value a few uint8 levels from the float path's on a 720p frame, and the
+    encoders' features close to exact's."""
+    g = np.random.default_rng(0)
+    x, y = np.linspace(0, 1, 1280)[None, :, None], np.linspace(0, 1, 720)[:, None, None]
+    frame = (127 + 60 * np.sin(20 * x + 7 * y) + g.normal(0, 20, (720, 1280, 3))).clip(0, 255).astype(np.uint8)
+    frames = torch.from_numpy(np.stack([frame, frame[::-1].copy()]))
+    exact = encoders.coarse_frames(frames, 224, (0.0,) * 3, (1.0,) * 3)
+    fast = encoders.coarse_frames(frames, 224, (0.0,) * 3, (1.0,) * 3, "fast")
+    assert exact.shape == fast.shape == (2, 3, 224, 224) and fast.dtype == torch.float32
+    levels = 255 * (exact - fast).abs()
+    assert 0 < levels.max() <= 3 and levels.mean() < 0.5
+    assert torch.equal(fast * 255, (fast * 255).round())  # uint8 levels
+    enc = build_encoders("tiny")
+    torch.testing.assert_close(enc.encode_frames(frames, resize="fast"), enc.encode_frames(frames), atol=0.05, rtol=0)

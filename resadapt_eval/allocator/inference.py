@@ -148,7 +148,8 @@ def known_allocators(family: str, pretrained: str) -> list[str]:
 class AllocatorPolicy:
     """The Allocator as the `method=resadapt` scale source: raw per-frame scales s_t for decoded
     frames and a query (projection onto a retention is the pipeline's planning stage).
-    frame_chunk: frames per visual encode call (features do not depend on it)."""
+    frame_chunk: frames per visual encode call (features do not depend on it); resize: how frames
+    are brought to the encoders' square input (`encoders.coarse_frames`: exact, or fast)."""
 
     def __init__(
         self,
@@ -157,13 +158,14 @@ class AllocatorPolicy:
         quantile: float = 0.5,
         seed: int = 0,
         frame_chunk: int = FRAME_CHUNK,
+        resize: str = "exact",
     ):
         if mode not in INFERENCE_MODES:
             raise ValueError(f"allocator inference must be one of {INFERENCE_MODES}, got {mode!r}")
         if frame_chunk < 1:
             raise ValueError(f"frame_chunk must be at least 1, got {frame_chunk}")
         self.allocator, self.mode, self.quantile, self.seed = allocator, mode, quantile, seed
-        self.frame_chunk = frame_chunk
+        self.frame_chunk, self.resize = frame_chunk, resize
 
     def flops(self, num_frames: int, query: str) -> int:
         """The Allocator's FLOPs on `num_frames` frames and `query` (`Allocator.flops`)."""
@@ -198,7 +200,7 @@ class AllocatorPolicy:
             joined = np.ascontiguousarray(parts[0] if len(parts) == 1 else np.concatenate(parts))  # a video: no copy
             with warnings.catch_warnings():  # decoded frames may be read-only; the encoders only read them
                 warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
-                features = enc.encode_frames(torch.from_numpy(joined), self.frame_chunk)
+                features = enc.encode_frames(torch.from_numpy(joined), self.frame_chunk, self.resize)
             for key, chunk in zip(group, features.split([len(p) for p in parts])):
                 encoded[key] = chunk
         per_sequence = [torch.cat([encoded[(i, j)] for j in range(len(parts))]) for i, parts in enumerate(segments)]
