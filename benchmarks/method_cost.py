@@ -15,7 +15,8 @@ budget), each method's work without the backbone:
 - decode step: DyCoke's per-step ranking and selection (`DecodePruner`) over the prompt's cached keys.
 
 Per method, stage and setting it prints:
-- own_s: the median of `--repeats` after a warm-up (on CUDA, synchronised);
+- own_s: the median of `--repeats` after a warm-up (on CUDA, synchronised; a first call above 10 s
+  is timed as it is);
 - extra_mb: peak memory above what was held before the call (CUDA: `max_memory_allocated`; CPU:
   the process's resident set sampled every 2 ms, so short peaks can be missed);
 - gflops: its work as the run counts it (`measure.counting`);
@@ -25,14 +26,17 @@ Per method, stage and setting it prints:
   bookkeeping on tensors meant to stay on the CPU (the in-LLM pruner's text positions, DyCoke's
   selection), which on a GPU is no sync;
 - loops: Python loop iterations in the package's own code during the call (backward jumps of its
-  bytecode, comprehensions included, traced once): an upper bound on the iterations touching tensors;
+  bytecode, comprehensions included): an upper bound on the iterations touching tensors;
+  gflops, syncs, extra_mb and loops come from one more call, untimed (the opcode trace slows it);
 - prefill_s: the vanilla LLM prefill at the same frames, estimated from its FLOPs
   (`estimates.row_flops`) at the matmul rate measured on this device (a 4096^3 float32 GEMM on CPU,
   bfloat16 on CUDA), and own/prefill, the method's cost as a share of it;
 - kv_mb: the vanilla prefill's bfloat16 KV cache, and extra/kv.
 
-`--input-side` adds decode, resize (exact and fast) and the Allocator (untrained, minilm-effnet)
-for vanilla, fixed_scale and resadapt on a synthetic 1280x720 video of the same frame counts.
+`--input-side` adds (`--only-input-side`: runs only) decode, resize and the Allocator (untrained,
+minilm-effnet) for vanilla, fixed_scale and resadapt on a synthetic 1280x720 video of the same frame
+counts, on the device: each resize exact and fast (`resize_pairs`, pairs of one size in one batch),
+the Allocator with its coarse frames exact and fast, and the fast resize's pixel difference.
 """
 
 from __future__ import annotations
@@ -67,6 +71,7 @@ from resadapt_eval.methods import METHODS
 SOURCE_HW = (720, 1280)  # a 720p video, (height, width) in pixels
 TEXT_BEFORE, TEXT_AFTER = 14, 10  # prompt tokens before and after the video (the estimates' 24 text tokens)
 PACKAGE = str(Path(resadapt_eval.__file__).parent)
+LONG_CALL_S = 10.0  # a first call this long is timed as it is (no separate warm-up)
 
 
 @contextmanager
@@ -167,19 +172,25 @@ def synthetic_tokens(dims, grids, device: torch.device, seed: int = 0) -> Visual
 
 
 def measure(name: str, work: str, setting: dict, run, device, prefill_s: float, kv: int, repeats: int) -> dict:
-    """One row: `run()` (a fresh call of the method's work each time) timed, then counted once."""
-    run()  # warm-up
+    """One row: `run()` (a fresh call of the method's work each time) timed, the median of `repeats`
+    after a warm-up (a first call above LONG_CALL_S is its own warm-up), then run once more counted:
+    FLOPs, host syncs, peak extra memory and Python loop iterations."""
     times = []
-    for _ in range(repeats):
+    synchronize(device)
+    t0 = time.perf_counter()
+    run()
+    synchronize(device)
+    first = time.perf_counter() - t0
+    if first > LONG_CALL_S:
+        times.append(first)
+    while len(times) < repeats:
         synchronize(device)
         t0 = time.perf_counter()
         run()
         synchronize(device)
         times.append(time.perf_counter() - t0)
-    with counting_syncs() as syncs, peak_extra_bytes(device) as extra:
+    with counting_syncs() as syncs, peak_extra_bytes(device) as extra, counting_loop_iterations() as loops:
         _, flops = counted_flops(run)
-    with counting_loop_iterations() as loops:
-        run()
     own = statistics.median(times)
     return dict(
         method=name,
@@ -339,12 +350,13 @@ def format_row(row: dict) -> str:
 
 
 def input_side(args, dims, device) -> None:
-    """Decode, resize and the Allocator for vanilla, fixed_scale and resadapt on a synthetic 720p video."""
+    """Decode, resize and the Allocator for vanilla, fixed_scale and resadapt on a synthetic 720p
+    video, each resize and the Allocator's coarse frames exact and fast, on `device`."""
     import av
     import numpy as np
 
     from resadapt_eval.allocator import AllocatorPolicy, load_allocator
-    from resadapt_eval.backbones.layout import resize_frames
+    from resadapt_eval.backbones.layout import resize_pairs
     from resadapt_eval.budget.plan import TokenGrid
     from resadapt_eval.budget.planner import Planner
     from resadapt_eval.budget.policies import BudgetSpec, fixed_scale
@@ -352,12 +364,15 @@ def input_side(args, dims, device) -> None:
 
     grid = TokenGrid(token_px=dims.token_px, temporal_patch=dims.vision.temporal_patch)
     planner = Planner(grid, BudgetSpec(retention=0.25))
-    allocator = AllocatorPolicy(load_allocator("untrained", device=device))
+    allocator = load_allocator("untrained", device=device)
+    policies = {mode: AllocatorPolicy(allocator, resize=mode) for mode in ("exact", "fast")}
+    query = "What happens in the video?"
     print(
-        "\n| frames | decode_s | vanilla resize exact s | fixed_scale resize exact / fast s | resadapt allocator_s | "
-        "resadapt resize exact / fast s | resadapt (fast resize + allocator) / exact resize |"
+        "\n| frames | decode_s | vanilla resize exact / fast s | fixed_scale resize exact / fast s | "
+        "resadapt Allocator exact / fast s | resadapt resize exact / fast s | "
+        "resadapt fast (resize + Allocator) / exact resize | fast resize's pixels vs exact: max / mean levels |"
     )
-    print("|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|")
     for frames in args.frames:
         with tempfile.TemporaryDirectory() as folder:
             path = Path(folder) / "video.mp4"
@@ -365,7 +380,9 @@ def input_side(args, dims, device) -> None:
                 stream = container.add_stream("libx264", rate=8)
                 stream.width, stream.height, stream.pix_fmt = 1280, 720, "yuv420p"
                 rng = np.random.default_rng(0)
-                base = rng.integers(0, 255, (720, 1280, 3), dtype=np.uint8)
+                x, y = np.linspace(0, 1, 1280)[None, :, None], np.linspace(0, 1, 720)[:, None, None]
+                base = (127 + 60 * np.sin(20 * x + 7 * y) + rng.normal(0, 20, (720, 1280, 3))).clip(0, 255)
+                base = base.astype(np.uint8)
                 for t in range(frames):
                     frame = av.VideoFrame.from_ndarray(np.roll(base, 8 * t, axis=1), format="rgb24")
                     container.mux(stream.encode(frame))
@@ -375,24 +392,30 @@ def input_side(args, dims, device) -> None:
             decode_s = time.perf_counter() - t0
         base_hw = planner.base_hw(SOURCE_HW)
 
-        def resize_all(plan, mode) -> float:
+        def resized(plan, mode) -> tuple[float, list[torch.Tensor]]:
+            synchronize(device)
             t0 = time.perf_counter()
-            for group, (h, w) in zip(plan.pair_frames, plan.pair_sizes):
-                resize_frames(video.frames[list(group)], h, w, mode)
-            return time.perf_counter() - t0
+            pairs = resize_pairs(video, plan, mode, device)
+            return time.perf_counter() - t0, pairs
+
+        def allocated(mode) -> tuple[float, np.ndarray]:
+            policies[mode].raw_scales(video.frames[:2], query)  # warm-up
+            t0 = time.perf_counter()
+            raw, _ = policies[mode].raw_scales(video.frames, query)
+            return time.perf_counter() - t0, raw
 
         vanilla = planner.plan([1.0] * frames, base_hw)
         fixed = planner.plan(fixed_scale(frames, base_hw, planner.grid, planner.spec), base_hw)
-        t0 = time.perf_counter()
-        raw, _ = allocator.raw_scales(video.frames, "What happens in the video?")
-        allocator_s = time.perf_counter() - t0
+        (allocator_exact, raw), (allocator_fast, _) = allocated("exact"), allocated("fast")
         (scales,) = planner.fit([raw], [base_hw], 0.25)
         adapted = planner.plan(scales, base_hw)
-        exact_r, fast_r = resize_all(adapted, "exact"), resize_all(adapted, "fast")
+        (exact_s, exact), (fast_s, fast) = resized(adapted, "exact"), resized(adapted, "fast")
+        levels = torch.cat([(a.int() - b.int()).abs().flatten() for a, b in zip(exact, fast)])
         print(
-            f"| {frames} | {decode_s:.2f} | {resize_all(vanilla, 'exact'):.2f} | "
-            f"{resize_all(fixed, 'exact'):.2f} / {resize_all(fixed, 'fast'):.2f} | {allocator_s:.2f} | "
-            f"{exact_r:.2f} / {fast_r:.2f} | {(fast_r + allocator_s) / exact_r:.2f} |",
+            f"| {frames} | {decode_s:.2f} | {resized(vanilla, 'exact')[0]:.2f} / {resized(vanilla, 'fast')[0]:.2f} | "
+            f"{resized(fixed, 'exact')[0]:.2f} / {resized(fixed, 'fast')[0]:.2f} | "
+            f"{allocator_exact:.2f} / {allocator_fast:.2f} | {exact_s:.2f} / {fast_s:.2f} | "
+            f"{(fast_s + allocator_fast) / exact_s:.2f} | {int(levels.max())} / {float(levels.float().mean()):.2f} |",
             flush=True,
         )
 
@@ -408,6 +431,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--input-side", action="store_true", help="also decode, resize and the Allocator")
+    parser.add_argument("--only-input-side", action="store_true", help="decode, resize and the Allocator alone")
     args = parser.parse_args()
     device = torch.device(args.device)
     dims = load_dims(args.backbone)
@@ -416,10 +440,11 @@ def main() -> None:
         f"{args.backbone} on {device} ({torch.get_num_threads()} threads), a {SOURCE_HW[1]}x{SOURCE_HW[0]} video; "
         f"matmul rate {rate / TERA:.3f} TFLOP/s; prefill estimated from its FLOPs at that rate"
     )
-    print("| " + " | ".join(key for key, _ in COLUMNS) + " |")
-    print("|" + "---|" * len(COLUMNS))
-    method_rows(args, dims, device, rate)
-    if args.input_side:
+    if not args.only_input_side:
+        print("| " + " | ".join(key for key, _ in COLUMNS) + " |")
+        print("|" + "---|" * len(COLUMNS))
+        method_rows(args, dims, device, rate)
+    if args.input_side or args.only_input_side:
         input_side(args, dims, device)
 
 

@@ -59,6 +59,24 @@ def _resized(video: torch.Tensor, height: int, width: int, mode: str) -> torch.T
     return resize(video, [height, width], interpolation=InterpolationMode.BICUBIC, antialias=True)
 
 
+def resize_pairs(
+    video: DecodedVideo, plan: ResizePlan, mode: str = "exact", device: torch.device | str = "cpu"
+) -> list[torch.Tensor]:
+    """Each pair's frames (2, 3, h, w) uint8 at its planned size in pixels, on the CPU
+    (`resize_frames`' `mode`, computed on `device`): the frames of every pair of one size resized in
+    one batch."""
+    by_size: dict[tuple[int, int], list[int]] = {}
+    for k, hw in enumerate(plan.pair_sizes):
+        by_size.setdefault(tuple(hw), []).append(k)
+    pairs: list[torch.Tensor] = [None] * len(plan.pair_sizes)
+    for (h, w), members in by_size.items():
+        groups = [list(plan.pair_frames[k]) for k in members]
+        resized = resize_frames(video.frames[[i for g in groups for i in g]], h, w, mode, device)
+        for k, part in zip(members, resized.split([len(g) for g in groups])):
+            pairs[k] = part
+    return pairs
+
+
 class QwenLayout:
     """A Qwen family's input layout: token grid, processor, per-pair metadata and resizing.
 
@@ -101,19 +119,8 @@ class QwenLayout:
     def resized_pairs(
         self, video: DecodedVideo, plan: ResizePlan, mode: str = "exact", device: torch.device | str = "cpu"
     ) -> list[torch.Tensor]:
-        """Each pair's frames (2, 3, h, w) uint8 at its planned size in pixels, on the CPU
-        (`resize_frames`' `mode`, computed on `device`): the frames of every pair of one size
-        resized in one batch."""
-        by_size: dict[tuple[int, int], list[int]] = {}
-        for k, hw in enumerate(plan.pair_sizes):
-            by_size.setdefault(tuple(hw), []).append(k)
-        pairs: list[torch.Tensor] = [None] * len(plan.pair_sizes)
-        for (h, w), members in by_size.items():
-            groups = [list(plan.pair_frames[k]) for k in members]
-            resized = resize_frames(video.frames[[i for g in groups for i in g]], h, w, mode, device)
-            for k, part in zip(members, resized.split([len(g) for g in groups])):
-                pairs[k] = part
-        return pairs
+        """`resize_pairs` of `video` under `plan`."""
+        return resize_pairs(video, plan, mode, device)
 
     def resized_images(
         self, images: list[np.ndarray], plans: list[ResizePlan], mode: str = "exact", device: torch.device | str = "cpu"
