@@ -1,0 +1,65 @@
+"""Host-device syncs of every compressor's `compress` (issue 40): a small constant, whatever the number
+of frame pairs, and never more than its reference's (docs/baselines.md, "Cost"). Counted by
+`measure.syncs.counting_syncs` on CPU tensors, where each counted call is a sync on a GPU."""
+
+import pytest
+import torch
+
+from resadapt_eval.baselines.common import VisualTokens
+from resadapt_eval.measure.syncs import counting_syncs
+from resadapt_eval.methods import METHODS
+
+# the most syncs each compress may make on random tokens (no two pairs alike, so no multi-pair segment):
+# the reads of its cuts, labels or weights, once per video (the references' counts grow with frames,
+# segments or picks: random_drop has none, ToMe, DivPrune and DyCoke 0, FlashVID 1 + 9 F + 1 per
+# multi-frame segment, VisionZip 5 per batch, VidCom2 2, FastVID 6 + S, PruneVid at least 3 F, HoliTom
+# F (F - 1) / 2 + 4 W + 1)
+MOST = {
+    "random_drop": 0,
+    "tome": 0,
+    "visionzip": 0,
+    "flashvid": 1,
+    "divprune": 0,
+    "vidcom2": 1,
+    "dycoke": 0,
+    "prunevid": 2,
+    "fastvid": 1,
+    "holitom": 2,
+}
+
+
+def random_tokens(pairs: int, side: int = 6, width: int = 64, seed: int = 0) -> VisualTokens:
+    g = torch.Generator().manual_seed(seed)
+    n = pairs * side * side
+    attention = torch.rand(n, generator=g)
+    return VisualTokens(
+        torch.randn(n, width, generator=g),
+        [side * side] * pairs,
+        [(1, side, side)] * pairs,
+        attention,
+        torch.randn(n, 16, generator=g),
+    )
+
+
+def test_every_compressor_is_listed():
+    assert set(MOST) == {name for name, method in METHODS.items() if method.compress is not None}
+
+
+@pytest.mark.parametrize("name", sorted(MOST))
+def test_a_compressor_s_host_syncs_do_not_grow_with_the_pairs(name):
+    compress = METHODS[name].compress
+    counts = []
+    for pairs in (4, 16):
+        tokens = random_tokens(pairs)
+        with counting_syncs() as syncs:
+            compress(tokens, len(tokens.features) // 4, 0)
+        counts.append(syncs["n"])
+    assert counts[0] == counts[1] <= MOST[name], counts
+
+
+def test_the_counter_sees_the_syncs_a_gpu_would_wait_for():
+    x = torch.randn(8)
+    with counting_syncs() as syncs:
+        x[x > 0], int(x.argmax()), x.tolist(), torch.nonzero(x), x.cpu()
+        x.topk(2), x.sort(), x.masked_fill(x > 0, 0), x[torch.tensor([1, 2])]  # none of these
+    assert syncs["n"] == 5
