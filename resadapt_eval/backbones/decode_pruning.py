@@ -28,6 +28,7 @@ from transformers import DynamicCache
 from ..baselines.inside_llm import DecodeStage
 from ..measure.clock import Spans, Stopwatch
 from ..measure.counting import counted_flops
+from .layer_pruning import grouped_logits
 
 
 class SelectingCache(DynamicCache):
@@ -53,9 +54,8 @@ def current_token_attention(attention: torch.nn.Module, hidden: torch.Tensor, co
     q = attention.q_proj(hidden).view(1, 1, -1, attention.head_dim)
     if hasattr(attention, "q_norm"):  # Qwen3-VL normalises q per head before the rotary
         q = attention.q_norm(q)
-    q, _ = rotary(q.transpose(1, 2), q.transpose(1, 2), cos, sin)
-    k = keys.repeat_interleave(q.shape[1] // keys.shape[1], dim=1)
-    scores = torch.softmax((q @ k.transpose(-1, -2)).float() * attention.scaling, dim=-1)  # (1, heads, 1, K)
+    q, _ = rotary(q.transpose(1, 2), q.transpose(1, 2)[:, :0], cos, sin)
+    scores = torch.softmax(grouped_logits(q, keys).float() * attention.scaling, dim=-1)  # (1, heads, 1, K)
     return scores[0, :, 0].mean(dim=0)
 
 

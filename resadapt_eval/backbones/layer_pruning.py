@@ -25,30 +25,43 @@ from ..measure.clock import Spans, Stopwatch
 from ..measure.counting import counted_flops
 
 
-def rotated_qk(attention: torch.nn.Module, hidden: torch.Tensor, cos, sin, first_query: int):
-    """(1, heads, Q, d) queries of the last Q = L - first_query of L tokens and (1, heads, L, d) keys
-    of all L (each key head repeated for its group of query heads), as `attention` (a Qwen2.5-VL /
-    Qwen3-VL text attention module) forms them from its input `hidden` (1, L, H) with rotary `cos`,
-    `sin` (1, L, d): only those query rows are projected."""
-    rotary = sys.modules[type(attention).__module__].apply_rotary_pos_emb  # the module's own rotary
+def projected_qk(attention: torch.nn.Module, hidden: torch.Tensor, first_query: int, rotary=None):
+    """(1, heads, Q, d) queries of the last Q = L - first_query of L tokens and (1, kv_heads, L, d)
+    keys of all L, as `attention` (a Qwen2.5-VL / Qwen3-VL text attention module) forms them from its
+    input `hidden` (1, L, H): only those query rows are projected, the key heads are not repeated
+    (`grouped_logits` pairs each query head with its key head), and `rotary` (cos, sin), each
+    (1, L, d), is applied when given."""
     d, length = attention.head_dim, hidden.shape[1]
     q = attention.q_proj(hidden[:, first_query:]).view(1, length - first_query, -1, d)
     k = attention.k_proj(hidden).view(1, length, -1, d)
     if hasattr(attention, "q_norm"):  # Qwen3-VL normalises q and k per head before the rotary
         q, k = attention.q_norm(q), attention.k_norm(k)
     q, k = q.transpose(1, 2), k.transpose(1, 2)  # (1, heads, Q, d), (1, kv_heads, L, d)
-    q, _ = rotary(q, q, cos[:, first_query:], sin[:, first_query:])
-    _, k = rotary(k, k, cos, sin)
-    return q, k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
+    if rotary is not None:
+        apply = sys.modules[type(attention).__module__].apply_rotary_pos_emb  # the module's own rotary
+        cos, sin = rotary
+        q, _ = apply(q, q[:, :0], cos[:, first_query:], sin[:, first_query:])  # (the empty slice: no work)
+        _, k = apply(k[:, :0], k, cos, sin)
+    return q, k
+
+
+def grouped_logits(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    """q k^T for queries (1, heads, Q, d) and keys (1, kv_heads, L, d), each query head against its
+    key head (heads // kv_heads consecutive query heads share one, as transformers' `repeat_kv`),
+    without repeating the keys: (1, heads, Q, L)."""
+    _, heads, queries, d = q.shape
+    kv_heads = k.shape[1]
+    logits = q.reshape(1, kv_heads, heads // kv_heads * queries, d) @ k.transpose(-1, -2)
+    return logits.view(1, heads, queries, k.shape[2])
 
 
 def query_attention(attention: torch.nn.Module, hidden: torch.Tensor, cos, sin, first_query: int) -> torch.Tensor:
     """(heads, Q, L) causal attention of the last Q = L - first_query of L tokens over all L, as
     `attention` computes it on its input `hidden` (1, L, H) with rotary `cos`, `sin` (1, L, d), in
-    float32 (`rotated_qk`)."""
+    float32 (`projected_qk`)."""
     length = hidden.shape[1]
-    q, k = rotated_qk(attention, hidden, cos, sin, first_query)
-    logits = (q @ k.transpose(-1, -2)).float() * attention.scaling  # (1, heads, Q, L)
+    q, k = projected_qk(attention, hidden, first_query, (cos, sin))
+    logits = grouped_logits(q, k).float() * attention.scaling  # (1, heads, Q, L)
     rows = torch.arange(first_query, length, device=logits.device)[:, None]
     logits = logits.masked_fill(torch.arange(length, device=logits.device)[None, :] > rows, float("-inf"))
     return torch.softmax(logits, dim=-1)[0]
@@ -67,23 +80,10 @@ def stage_input_attention(layer: torch.nn.Module, hidden: torch.Tensor, cos, sin
     to that dtype, mean over heads in that dtype (PyramidDrop's modeling_llama_pdrop.py, lines
     1321-1342 and 1395-1399; the last token sees every key, so the causal mask adds nothing)."""
     attention = layer.self_attn
-    q, k = rotated_qk(attention, layer.input_layernorm(hidden), cos, sin, hidden.shape[1] - 1)
-    logits = (q @ k.transpose(-1, -2)) / math.sqrt(attention.head_dim)  # (1, heads, 1, L)
+    q, k = projected_qk(attention, layer.input_layernorm(hidden), hidden.shape[1] - 1, (cos, sin))
+    logits = grouped_logits(q, k) / math.sqrt(attention.head_dim)  # (1, heads, 1, L)
     weights = torch.softmax(logits, dim=-1, dtype=torch.float32).to(q.dtype)
     return weights[0, :, 0].mean(dim=0)
-
-
-def unrotated_qk(attention: torch.nn.Module, hidden: torch.Tensor, first_query: int):
-    """(1, heads, Q, d) queries of the last Q = L - first_query of L tokens and (1, heads, L, d) keys
-    of all L (each key head repeated for its group of query heads), from `attention`'s own q/k
-    projections (and Qwen3-VL's per-head q/k norms) on its input `hidden` (1, L, H), with no rotary."""
-    d, length = attention.head_dim, hidden.shape[1]
-    q = attention.q_proj(hidden[:, first_query:]).view(1, length - first_query, -1, d)
-    k = attention.k_proj(hidden).view(1, length, -1, d)
-    if hasattr(attention, "q_norm"):  # Qwen3-VL normalises q and k per head (part of its projections)
-        q, k = attention.q_norm(q), attention.k_norm(k)
-    q, k = q.transpose(1, 2), k.transpose(1, 2)  # (1, heads, Q, d), (1, kv_heads, L, d)
-    return q, k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
 
 
 def text_attention(attention: torch.nn.Module, hidden: torch.Tensor, cos, sin, first_query: int) -> torch.Tensor:
@@ -95,11 +95,11 @@ def text_attention(attention: torch.nn.Module, hidden: torch.Tensor, cos, sin, f
     projections WITHOUT rotary (applied only after, :451-452) and WITHOUT the causal mask (added only
     to the real attention, :478-480), divided by sqrt(head_dim) in the model's dtype, softmax over
     all L keys in float32 cast back to that dtype; then max over heads and over the query rows after
-    the video, in that dtype (elastic_cache.py :163, :125). Key heads are repeated for GQA (the
+    the video, in that dtype (elastic_cache.py :163, :125). Each query head reads its GQA key head (the
     reference's LLaMA-7B has one per query head). `cos`, `sin` are unused (the other rankings'
     signature). Only the Q query rows are projected: a (heads, Q, L) map, never L x L."""
-    q, k = unrotated_qk(attention, hidden, first_query)
-    logits = torch.matmul(q, k.transpose(-1, -2)) / math.sqrt(attention.head_dim)  # (1, heads, Q, L)
+    q, k = projected_qk(attention, hidden, first_query)
+    logits = grouped_logits(q, k) / math.sqrt(attention.head_dim)  # (1, heads, Q, L)
     weights = torch.softmax(logits, dim=-1, dtype=torch.float32).to(q.dtype)
     return weights[0].amax(dim=(0, 1))
 

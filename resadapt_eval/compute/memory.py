@@ -34,10 +34,10 @@ tensor and the kernels' own workspaces are left out):
 - extra, a method's own: before the LLM, a token compressor holds the encoded tokens (N x D_out
   x b, with deepstack) and its working tensors (`COMPRESSOR_BYTES`: float32 copies of the tokens,
   its largest similarity or distance matrix over a pair, DivPrune's 4096-row chunk of its N x N
-  distances; VisionZip selects on the CPU), and an attention-reading method recomputes the last
+  distances; VisionZip's selection holds only per-pair vectors), and an attention-reading method recomputes the last
   ViT block's attention (`recompute_bytes`: its captured input and rotary tables, qkv, the
   rotary's float32 q / k, per segment float32 q / k and two heads x L_s^2 float32 score
-  matrices). Inside the LLM (`stage_bytes`): a stage's ranking row (the keys of every token
+  matrices). Inside the LLM (`stage_bytes`): a stage's ranking row (the keys of every token, not
   repeated to n_h heads, float32 scores; PruneVid's rows of every text token; PyramidDrop's
   normed input), HoliTom's merge (float32 unit rows of the kept and dropped tokens and their
   similarity matrix), the kept tokens' copy. The Allocator of
@@ -214,7 +214,7 @@ def _unit_rows_and(factor: int, copies: int = 1):
 COMPRESSOR_BYTES = {
     random_drop.compress: lambda sizes, width, b: 0,
     tome.compress: tome_bytes,
-    visionzip.compress: lambda sizes, width, b: 0,  # selects on the CPU
+    visionzip.compress: lambda sizes, width, b: 0,  # selects on (n,) attentions and (n, d_k) keys
     flashvid.compress: _unit_rows_and(3),
     divprune.compress: divprune_bytes,
     vidcom2.compress: vidcom2_bytes,
@@ -237,10 +237,11 @@ def recompute_bytes(v: VisionDims, grids, dtype: str = "bfloat16") -> int:
 
 def stage_bytes(x: TextDims, stage, tokens: int, visual: int, text: int, dtype: str = "bfloat16") -> int:
     """One stage inside the LLM over `tokens` tokens (`visual` visual, `text` text): its ranking
-    (the keys repeated to n_h heads, float32 rows of scores), HoliTom's merge and the kept copy."""
+    (the keys and their rotated copy, n_kv heads, never repeated to n_h; float32 rows of scores),
+    HoliTom's merge and the kept copy."""
     b = dtype_bytes(dtype)
     rows = text if stage.rank_by == TEXT_AFTER_VISUAL else 1
-    total = tokens * x.kv_heads * x.head_dim * 2 * b + tokens * x.heads * x.head_dim * b
+    total = tokens * x.kv_heads * x.head_dim * 2 * b
     total += 3 * x.heads * rows * tokens * F32
     if stage.rank_by == STAGE_INPUT:
         total += tokens * x.hidden * b
