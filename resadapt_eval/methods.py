@@ -21,16 +21,21 @@ from typing import Callable
 from .baselines import (
     divprune,
     dycoke,
+    fastervlm,
     fastv,
     fastvid,
     flashvid,
+    gprune,
     holitom,
+    pooling,
+    prumerge_plus,
     prunevid,
     pyramiddrop,
     random_drop,
     tome,
     vidcom2,
     visionzip,
+    vispruner,
 )
 from .budget import policies
 from .kinds import (
@@ -247,6 +252,11 @@ register(
         needs_attention=True,
     )
 )
+register(_compressor("pooling", "Pooling", "Pooling", pooling))
+register(_compressor("prumerge_plus", "PruMerge+", "PruMergePlus", prumerge_plus, needs_attention=True))
+register(_compressor("vispruner", "VisPruner", "VisPruner", vispruner, needs_attention=True))
+register(_compressor("fastervlm", "FasterVLM", "FasterVLM", fastervlm, needs_attention=True))
+register(_compressor("gprune", "G-Prune", "GPrune", gprune))
 register(_pruner("fastv", "FastV", "FastV", fastv))
 register(_pruner("pyramiddrop", "PyramidDrop", "PyramidDrop", pyramiddrop, prune_layer_count=None))
 register(Method("evs", "EVS", "EVS", ENGINE_PRUNER, REQUIRED_RETENTION, engine_pruning="evs"))

@@ -118,7 +118,15 @@ def test_paper_order_and_properties_come_from_the_registry():
     assert [m for m, spec in METHODS.items() if spec.in_paper] == paper  # the demo's default set
     assert [m for m, spec in METHODS.items() if spec.vllm] == ["vanilla", "evs", "fixed_scale", "resadapt"]
     assert [m for m, spec in METHODS.items() if not spec.hf] == ["evs"]  # vLLM's own pruning
-    assert {m for m, spec in METHODS.items() if spec.needs_attention} == {"visionzip", "flashvid", "fastvid", "holitom"}
+    assert {m for m, spec in METHODS.items() if spec.needs_attention} == {
+        "visionzip",
+        "flashvid",
+        "fastvid",
+        "holitom",
+        "prumerge_plus",
+        "vispruner",
+        "fastervlm",
+    }
     assert plan_cells(["vanilla", "tome"], [0.5, 0.25], [8])[0].retention is None  # vanilla once, no target
     assert len(plan_cells(["vanilla", "tome"], [0.5, 0.25], [8])) == 3
 

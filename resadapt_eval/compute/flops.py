@@ -35,7 +35,7 @@ import json
 from dataclasses import dataclass, fields
 from pathlib import Path
 
-from ..baselines import random_drop, tome, visionzip
+from ..baselines import fastervlm, pooling, random_drop, tome, visionzip
 from ..baselines.common import per_pair_budget
 from ..budget.tokens import TokenBudget
 from .configs import KNOWN_CONFIGS
@@ -271,7 +271,7 @@ def visionzip_similarity(pair_sizes: list[int], keep: int, width: int) -> int:
 
 
 def no_similarity(pair_sizes: list[int], keep: int, width: int) -> int:
-    """Random Drop draws its tokens: no matmul."""
+    """Random Drop draws its tokens, Pooling averages windows, FasterVLM ranks attention: no matmul."""
     return 0
 
 
@@ -285,6 +285,8 @@ ENGINE_PRUNING = {"evs": evs_similarity}
 
 SIMILARITY = {
     random_drop.compress: no_similarity,
+    pooling.compress: no_similarity,
+    fastervlm.compress: no_similarity,
     tome.compress: tome_similarity,
     visionzip.compress: visionzip_similarity,
 }

@@ -53,7 +53,23 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..baselines import divprune, dycoke, fastvid, flashvid, holitom, prunevid, random_drop, tome, vidcom2, visionzip
+from ..baselines import (
+    divprune,
+    dycoke,
+    fastervlm,
+    fastvid,
+    flashvid,
+    gprune,
+    holitom,
+    pooling,
+    prumerge_plus,
+    prunevid,
+    random_drop,
+    tome,
+    vidcom2,
+    visionzip,
+    vispruner,
+)
 from ..baselines.inside_llm import STAGE_INPUT, TEXT_AFTER_VISUAL
 from .flops import BackboneDims, RowPlan, TextDims, VisionDims, block_segments, per_layer
 
@@ -211,6 +227,16 @@ def _unit_rows_and(factor: int, copies: int = 1):
     return count
 
 
+def prumerge_plus_bytes(sizes: list[int], width: int, b: int) -> int:
+    """Per pair: a block of at most 256 kept tokens' float32 key similarities to the pair's tokens."""
+    return max(min(256, n) * n * F32 for n in sizes)
+
+
+def vispruner_bytes(sizes: list[int], width: int, b: int) -> int:
+    """Per pair: its float32 unit rows and their Gram matrix."""
+    return max(n * width * F32 + n * n * F32 for n in sizes)
+
+
 COMPRESSOR_BYTES = {
     random_drop.compress: lambda sizes, width, b: 0,
     tome.compress: tome_bytes,
@@ -222,6 +248,11 @@ COMPRESSOR_BYTES = {
     prunevid.compress: _unit_rows_and(3, copies=2),
     fastvid.compress: _unit_rows_and(3),
     holitom.compress: _unit_rows_and(3),
+    pooling.compress: lambda sizes, width, b: 0,  # index arithmetic; the means are the kept tokens' copy
+    prumerge_plus.compress: prumerge_plus_bytes,
+    vispruner.compress: vispruner_bytes,
+    fastervlm.compress: lambda sizes, width, b: len(sizes) * max(sizes) * 24,  # its (pairs, longest) score table
+    gprune.compress: lambda sizes, width, b: 3 * max(sizes) ** 2 * F32,  # a pair's float32 graph and its buffers
 }
 
 
