@@ -33,6 +33,7 @@ from .baselines import (
     pyramiddrop,
     random_drop,
     tome,
+    vcast,
     vidcom2,
     visionzip,
     vispruner,
@@ -257,6 +258,7 @@ register(_compressor("prumerge_plus", "PruMerge+", "PruMergePlus", prumerge_plus
 register(_compressor("vispruner", "VisPruner", "VisPruner", vispruner, needs_attention=True))
 register(_compressor("fastervlm", "FasterVLM", "FasterVLM", fastervlm, needs_attention=True))
 register(_compressor("gprune", "G-Prune", "GPrune", gprune))
+register(_compressor("vcast", "V-CAST", "VCAST", vcast))
 register(_pruner("fastv", "FastV", "FastV", fastv))
 register(_pruner("pyramiddrop", "PyramidDrop", "PyramidDrop", pyramiddrop, prune_layer_count=None))
 register(Method("evs", "EVS", "EVS", ENGINE_PRUNER, REQUIRED_RETENTION, engine_pruning="evs"))

@@ -13,7 +13,8 @@ from resadapt_eval.methods import METHODS
 # the reads of its cuts, labels or weights, once per video (the references' counts grow with frames,
 # segments or picks: random_drop has none, ToMe, DivPrune and DyCoke 0, FlashVID 1 + 9 F + 1 per
 # multi-frame segment, VisionZip 5 per batch, VidCom2 2, FastVID 6 + S, PruneVid at least 3 F, HoliTom
-# F (F - 1) / 2 + 4 W + 1; PruMerge+ 1 + 6 outliers an image; Pooling, VisPruner and FasterVLM 0, G-Prune 2 a graph)
+# F (F - 1) / 2 + 4 W + 1; PruMerge+ 1 + 6 outliers an image; Pooling, VisPruner and FasterVLM 0,
+# G-Prune 2 a graph, V-CAST T + 7 or more)
 MOST = {
     "random_drop": 0,
     "tome": 0,
@@ -30,6 +31,7 @@ MOST = {
     "vispruner": 0,
     "fastervlm": 0,
     "gprune": 0,
+    "vcast": 0,
 }
 
 

@@ -149,3 +149,22 @@ def by_mask(mask: torch.Tensor, count: int) -> tuple[torch.Tensor, torch.Tensor]
     ascending order: a stable sort, so the host reads nothing."""
     order = torch.sort(mask.to(torch.uint8), stable=True).indices
     return order[: len(mask) - count], order[len(mask) - count :]
+
+
+def pair_table(pair_sizes: list[int], budgets: list[int], device: torch.device):
+    """Per token its pair and its place in the pair (N,), per pair its budget (P,), on `device`."""
+    table = torch.tensor([pair_sizes, budgets], dtype=torch.long)  # cpu: host lists, moved once below
+    sizes, budget = table.to(device, non_blocking=True)
+    pair_of = torch.repeat_interleave(torch.arange(len(pair_sizes), device=device), sizes, output_size=sum(pair_sizes))
+    place = torch.arange(len(pair_of), device=device) - (torch.cumsum(sizes, 0) - sizes)[pair_of]
+    return pair_of, place, budget
+
+
+def rank_in_pair(scores: torch.Tensor, pair_of: torch.Tensor, place: torch.Tensor, shape: tuple[int, int]):
+    """Each token's rank (0 = highest score) among its pair's tokens, ties to the lower index: the
+    scores as a (pairs, longest pair) table, -inf after each pair's end, each row sorted stably
+    (the padding comes after any real -inf of its row)."""
+    table = scores.new_full(shape, -math.inf).index_put_((pair_of, place), scores)
+    order = torch.sort(table, dim=1, descending=True, stable=True).indices
+    columns = torch.arange(shape[1], device=scores.device).expand(shape)
+    return torch.empty_like(order).scatter_(1, order, columns)[pair_of, place]

@@ -66,6 +66,7 @@ from ..baselines import (
     prunevid,
     random_drop,
     tome,
+    vcast,
     vidcom2,
     visionzip,
     vispruner,
@@ -253,6 +254,7 @@ COMPRESSOR_BYTES = {
     vispruner.compress: vispruner_bytes,
     fastervlm.compress: lambda sizes, width, b: len(sizes) * max(sizes) * 24,  # its (pairs, longest) score table
     gprune.compress: lambda sizes, width, b: 3 * max(sizes) ** 2 * F32,  # a pair's float32 graph and its buffers
+    vcast.compress: lambda sizes, width, b: max(sizes) * width * F32,  # one pair's float32 copy at a time
 }
 
 
