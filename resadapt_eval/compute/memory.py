@@ -33,7 +33,7 @@ tensor and the kernels' own workspaces are left out):
   an upper bound for a method that prunes inside the LLM.
 - extra, a method's own: before the LLM, a token compressor holds the encoded tokens (N x D_out
   x b, with deepstack) and its working tensors (`COMPRESSOR_BYTES`: float32 copies of the tokens,
-  its largest similarity or distance matrix over a pair, DivPrune's 4096-row chunk of its N x N
+  its largest similarity or distance matrix over a pair, DivPrune's 1024-row chunk of its N x N
   distances; VisionZip's selection holds only per-pair vectors), and an attention-reading method recomputes the last
   ViT block's attention (`recompute_bytes`: its captured input and rotary tables, qkv, the
   rotary's float32 q / k, per segment float32 q / k and two heads x L_s^2 float32 score
@@ -204,9 +204,9 @@ def tome_bytes(sizes: list[int], width: int, b: int) -> int:
 
 def divprune_bytes(sizes: list[int], width: int, b: int) -> int:
     """Unit float32 rows of every token, and the N x N float32 distances where they fit
-    `divprune.DISTANCE_MATRIX_BYTES`, else a ROW_CHUNK x N chunk of them (and 1 - it)."""
+    `divprune.DISTANCE_MATRIX_BYTES`, else a ROW_CHUNK x N chunk of them."""
     n = sum(sizes)
-    distances = n * n * F32 if divprune.holds_distance_matrix(n) else 2 * min(divprune.ROW_CHUNK, n) * n * F32
+    distances = n * n * F32 if divprune.holds_distance_matrix(n) else min(divprune.ROW_CHUNK, n) * n * F32
     return promoted(n, width, b) + n * width * F32 + distances
 
 
