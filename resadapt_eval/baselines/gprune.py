@@ -140,7 +140,7 @@ def compress(tokens: VisualTokens, keep: int, seed: int = 0) -> Compression:
     budgets = per_pair_budget(tokens.pair_sizes, keep)  # raises unless pairs <= keep <= N
     features = tokens.features.detach()
     device, width = features.device, features.shape[1]
-    budget_of = torch.tensor(budgets, dtype=torch.long).to(device, non_blocking=True)
+    budget_of = torch.tensor(budgets, dtype=torch.long).to(device, non_blocking=True)  # cpu: a host list, moved
     index = torch.arange(features.shape[0], device=device)
     assignment = torch.full_like(index, DROPPED)
     starts = tokens.pair_starts

@@ -68,12 +68,16 @@ MARKERS = "osD^v<>pPX*h"
 
 def method_style(method: str) -> dict:
     """A colour and marker per registered method, fixed by its registry position, so every plot
-    draws a method the same way and no two of up to 20 methods share both: the paper's seven
-    methods take tab20's strong colours, the others its light ones."""
+    draws a method the same way and no two of up to 60 methods share a colour: the paper's seven
+    methods and the next three take tab20's strong colours, the next ten its light ones, then
+    tab20b's and tab20c's."""
     order = [m for m, spec in METHODS.items() if spec.in_paper] + [m for m, s in METHODS.items() if not s.in_paper]
     index = order.index(method)
-    shade = 2 * index if index < 10 else 2 * (index - 10) + 1
-    return dict(color=plt.get_cmap("tab20")(shade % 20), marker=MARKERS[index % len(MARKERS)])
+    if index < 20:
+        color = plt.get_cmap("tab20")(2 * index if index < 10 else 2 * (index - 10) + 1)
+    else:
+        color = plt.get_cmap("tab20b" if index < 40 else "tab20c")((index - 20) % 20)
+    return dict(color=color, marker=MARKERS[index % len(MARKERS)])
 
 
 def pareto_figure(runs: list[CellRun], column: str, frames: int, axis: str = "retention"):
