@@ -13,6 +13,7 @@ FlashVID's tree features, FastVID's and HoliTom's beta-weighted centres. Deepsta
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass
 
@@ -39,11 +40,12 @@ class VisualTokens:
 
     @property
     def pair_starts(self) -> list[int]:
-        starts, total = [], 0
-        for size in self.pair_sizes:
-            starts.append(total)
-            total += size
-        return starts
+        return pair_starts(self.pair_sizes)
+
+
+def pair_starts(sizes: list[int]) -> list[int]:
+    """Where each of consecutive pairs of `sizes` tokens starts."""
+    return list(itertools.accumulate(sizes[:-1], initial=0))
 
 
 @dataclass(frozen=True)
@@ -155,9 +157,15 @@ def pair_table(pair_sizes: list[int], budgets: list[int], device: torch.device):
     """Per token its pair and its place in the pair (N,), per pair its budget (P,), on `device`."""
     table = torch.tensor([pair_sizes, budgets], dtype=torch.long)  # cpu: host lists, moved once below
     sizes, budget = table.to(device, non_blocking=True)
-    pair_of = torch.repeat_interleave(torch.arange(len(pair_sizes), device=device), sizes, output_size=sum(pair_sizes))
-    place = torch.arange(len(pair_of), device=device) - (torch.cumsum(sizes, 0) - sizes)[pair_of]
-    return pair_of, place, budget
+    return *pair_places(sizes, sum(pair_sizes)), budget
+
+
+def pair_places(sizes: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per token of `n` its pair and its place in the pair (N,), from the pairs' sizes (P,) on the
+    device they are on (no host sync)."""
+    pair_of = torch.repeat_interleave(torch.arange(len(sizes), device=sizes.device), sizes, output_size=n)
+    place = torch.arange(n, device=sizes.device) - (torch.cumsum(sizes, 0) - sizes)[pair_of]
+    return pair_of, place
 
 
 def rank_in_pair(scores: torch.Tensor, pair_of: torch.Tensor, place: torch.Tensor, shape: tuple[int, int]):

@@ -92,12 +92,11 @@ such segments and 6 per segment (`utils.py:57-60,192,295-345`).
 
 from __future__ import annotations
 
-import itertools
 import math
 
 import torch
 
-from .common import DROPPED, Compression, VisualTokens, by_mask, per_pair_budget, top
+from .common import DROPPED, Compression, VisualTokens, by_mask, pair_starts, per_pair_budget, top
 
 SEGMENT_THRESHOLD = 0.9
 MIN_SEGMENTS = 4  # scripts/qwen2_5_vl.sh and qwen3_vl.sh (the config default, 8, is for LLaVA)
@@ -277,11 +276,6 @@ def merge_segment(
     trees_in = torch.zeros(length, dtype=torch.long, device=device)  # trees per cluster, by centre
     trees_in.scatter_add_(0, centre.clamp(min=0), (centre != DROPPED).long())
     return member_centre, 1.0 / (trees_in[member_centre.clamp(min=0)] * divisor[root]).double()
-
-
-def pair_starts(sizes: list[int]) -> list[int]:
-    """Where each pair of a segment starts, from the pairs' sizes."""
-    return list(itertools.accumulate(sizes[:-1], initial=0))
 
 
 def compress(tokens: VisualTokens, keep: int, seed: int = 0) -> Compression:

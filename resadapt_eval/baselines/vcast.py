@@ -94,7 +94,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .common import DROPPED, Compression, VisualTokens, check_keep, rank_in_pair
+from .common import DROPPED, Compression, VisualTokens, check_keep, pair_places, rank_in_pair
 
 BUDGET_TEMPERATURE = 0.7  # DEFAULT_BUDGET_TEMP, :16
 MIN_K = 1  # DEFAULT_MIN_K, :15: tokens every frame keeps at least
@@ -190,8 +190,7 @@ def compress(tokens: VisualTokens, keep: int, seed: int = 0) -> Compression:
     reps, scores = frame_scores(features, sizes, dtype)
     size = torch.tensor(sizes, dtype=torch.long).to(device, non_blocking=True)  # cpu: a host list, moved once
     budget = allocate(budget_weights(curvature(reps)), keep, size)
-    pair_of = torch.repeat_interleave(torch.arange(len(sizes), device=device), size, output_size=n)
-    place = torch.arange(n, device=device) - (torch.cumsum(size, 0) - size)[pair_of]
+    pair_of, place = pair_places(size, n)
     kept = rank_in_pair(scores, pair_of, place, (len(sizes), max(sizes))) < budget[pair_of]
     index = torch.arange(n, device=device)
     return Compression(torch.where(kept, index, torch.full_like(index, DROPPED)))

@@ -10,6 +10,8 @@ from __future__ import annotations
 import torch
 from torch.utils.flop_counter import FlopCounterMode, sdpa_flop_count
 
+from .clock import Spans
+
 aten = torch.ops.aten
 
 
@@ -52,21 +54,18 @@ def counted_flops(fn, *args, **kwargs):
 
 
 class CountedCall:
-    """`fn` with every call counted: `flops` is the total so far; with a `stopwatch`
-    (`measure.clock.Stopwatch`), `seconds()` is the time its calls took (CUDA events on a GPU,
-    read once at the end)."""
+    """`fn` with every call counted and timed: `flops` is the total so far, `seconds()` the time its
+    calls took on `stopwatch` (`measure.clock.Stopwatch`: CUDA events on a GPU, read once at the end)."""
 
-    def __init__(self, fn, stopwatch=None):
-        self.fn, self.flops, self.stopwatch, self.spans = fn, 0, stopwatch, []
+    def __init__(self, fn, stopwatch):
+        self.fn, self.flops, self.work = fn, 0, Spans(stopwatch)
 
     def __call__(self, *args, **kwargs):
-        start = self.stopwatch.mark() if self.stopwatch is not None else None
-        result, flops = counted_flops(self.fn, *args, **kwargs)
-        if self.stopwatch is not None:
-            self.spans.append((start, self.stopwatch.mark()))
+        with self.work.timed():
+            result, flops = counted_flops(self.fn, *args, **kwargs)
         self.flops += flops
         return result
 
     def seconds(self) -> float:
-        """Seconds spent in the calls so far (needs a stopwatch)."""
-        return sum(self.stopwatch.seconds(a, b) for a, b in self.spans)
+        """Seconds spent in the calls so far."""
+        return self.work.seconds()
