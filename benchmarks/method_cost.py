@@ -152,6 +152,9 @@ def matmul_rate(device: torch.device) -> float:
     return 2 * 4096**3 / statistics.median(times[1:])
 
 
+QUERY_TOKENS = 24  # a typical video question's tokens
+
+
 def synchronize(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -159,7 +162,8 @@ def synchronize(device: torch.device) -> None:
 
 def synthetic_tokens(dims, grids, device: torch.device, seed: int = 0) -> VisualTokens:
     """Merged tokens of the planned `grids`: features of the LLM's width, received attention that
-    sums to 1 per pair, and keys of the vision tower's head width."""
+    sums to 1 per pair, keys of the vision tower's head width, and a question of QUERY_TOKENS tokens
+    of the LLM's width (for a compressor that reads it)."""
     g = torch.Generator().manual_seed(seed)
     sizes = [t * h * w for t, h, w in grids]
     n = sum(sizes)
@@ -168,7 +172,8 @@ def synthetic_tokens(dims, grids, device: torch.device, seed: int = 0) -> Visual
     attention = torch.rand(n, generator=g).to(device)
     head_dim = dims.vision.hidden // dims.vision.heads
     keys = torch.randn(n, head_dim, generator=g).to(device, dtype)
-    return VisualTokens(features, sizes, [tuple(x) for x in grids], attention, keys)
+    query = torch.randn(QUERY_TOKENS, dims.vision.out_hidden, generator=g).to(device, dtype)
+    return VisualTokens(features, sizes, [tuple(x) for x in grids], attention, keys, query)
 
 
 def measure(name: str, work: str, setting: dict, run, device, prefill_s: float, kv: int, repeats: int) -> dict:

@@ -25,8 +25,8 @@ capture --repo REPO --out DIR [--data DATA] [--needle-limit N] [--parts smoke,me
       DIR/methods-<backbone>/<cell>  both tiny cards, resadapt_smoke_videoqa, every other HF method: the
                                   compressors, the two-stage and decode-time ones and FastV at R=0.25,
                                   PyramidDrop at R=0.5 (its default quarters cannot reach 0.25 on 12
-                                  layers). With `smoke`, every method REPO's registry runs on the HF
-                                  classes (checked: the capture fails naming any method left out)
+                                  layers): every method REPO's registry runs on the HF classes and the
+                                  smoke part leaves out
       DIR/needle-qwen25vl/<cell>  needle card, resadapt_needle, 7 methods at R=0.25, --limit N (100)
       DIR/chartqa-qwen25vl/<cell> tiny-qwen25vl, resadapt_fixture_chartqa: vanilla, fixed_scale R=0.25,
                                   resadapt R=0.25 (sweep) and resadapt without R (lmms-eval directly)
@@ -77,8 +77,9 @@ from pathlib import Path
 SCRIPT_REPO = Path(__file__).resolve().parents[1]
 DEFAULT_DATA = Path("/tmp/resadapt_record_data")
 METHODS = "vanilla,fixed_scale,random_drop,tome,visionzip,flashvid,resadapt"
-# The `methods` part: every other HF method, by target R (PyramidDrop's default stages need R above 0.25 on 12 layers).
-OTHER_METHODS = {"0.25": "divprune,vidcom2,dycoke,prunevid,fastvid,holitom,fastv", "0.5": "pyramiddrop"}
+# The `methods` part: every other HF method of REPO's registry at R = 0.25, but those listed here (PyramidDrop's
+# default stages need R above 0.25 on 12 layers).
+OTHER_RETENTION = {"pyramiddrop": "0.5"}
 PARTS = ("smoke", "methods", "needle", "chartqa", "select")
 SIDECAR_GLOB = "resadapt_samples_*_rank*.jsonl"
 CELL_FILE = "cell.json"
@@ -343,20 +344,21 @@ def cmd_capture(args) -> int:
     if probe.returncode != 0 or not imported or not all(p.startswith(f"{repo}/") for p in imported):
         sys.exit(f"children would not import resadapt_eval from {repo}: {probe.stdout}{probe.stderr}")
     print(f"children import resadapt_eval from {imported[0]}")
-    if {"smoke", "methods"} <= set(parts):  # together they run every method REPO's HF classes run
-        registry = run_child(
-            [
-                sys.executable,
-                "-c",
-                "from resadapt_eval.methods import METHODS; print(*(n for n, m in METHODS.items() if m.hf))",
-            ],
-            repo,
-            env,
-        )
-        captured = set(METHODS.split(",")) | {m for names in OTHER_METHODS.values() for m in names.split(",")}
-        missing = sorted(set(registry.stdout.split()) - captured)
-        if registry.returncode != 0 or missing:
-            sys.exit(f"the smoke and methods parts leave out HF methods of {repo}: {missing or registry.stderr}")
+    registry = run_child(
+        [
+            sys.executable,
+            "-c",
+            "from resadapt_eval.methods import METHODS; print(*(n for n, m in METHODS.items() if m.hf))",
+        ],
+        repo,
+        env,
+    )
+    if registry.returncode != 0:
+        sys.exit(f"could not read the registry of {repo}: {registry.stderr}")
+    other_methods = {}  # the `methods` part: target R -> the HF methods of REPO not in the smoke part
+    for name in registry.stdout.split():
+        if name not in METHODS.split(","):
+            other_methods.setdefault(OTHER_RETENTION.get(name, "0.25"), []).append(name)
 
     manifest = ensure_data(data, repo, out, args.needle_limit, "needle" in parts)
     fixtures_link = inputs / "fixtures"
@@ -396,8 +398,8 @@ def cmd_capture(args) -> int:
                 f"methods-{backbone}",
                 lambda: all(
                     [
-                        sweep(card, out / f"methods-{backbone}", repo, env, names, r)
-                        for r, names in OTHER_METHODS.items()
+                        sweep(card, out / f"methods-{backbone}", repo, env, ",".join(names), r)
+                        for r, names in other_methods.items()
                     ]
                 ),
             )

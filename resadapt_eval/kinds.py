@@ -38,7 +38,7 @@ from .baselines.inside_llm import entering_tokens, layer_counts
 from .budget import policies
 from .budget.plan import InfeasibleBudget, ResizePlan, pair_frames
 from .budget.tokens import TokenBudget, engine_kept_tokens
-from .compute.flops import ENGINE_PRUNING, SIMILARITY, BackboneDims, recomputed_attention, similarity_width
+from .compute.flops import ENGINE_PRUNING, BackboneDims, recomputed_attention
 from .measure.clock import peak_memory_mb, reset_peak_memory
 from .measure.counting import CountedCall
 
@@ -56,7 +56,7 @@ IN_ENGINE = "in_engine"  # the serving engine drops merged tokens before the LLM
 STAGES = (BEFORE_ENCODER, AFTER_MERGER, INSIDE_LLM, IN_ENGINE)
 
 # A method's algorithm slots (`methods.Method` fields); each kind says which it fills.
-SLOTS = ("policy", "compress", "prune", "decode_prune", "engine_pruning")
+SLOTS = ("policy", "compressor", "prune", "decode_prune", "engine_pruning")
 
 FLOOR_PROBE_TOKENS = 10**7  # visual tokens: more than any request gives (`InLLMPruner.check_llm`)
 
@@ -103,7 +103,8 @@ class ModelInputs:
     """A kind's engine request for one planned video; merged_sizes: a compressor's group sizes,
     compressor_flops: its work as counted, vision_s: its vision tower's seconds, peak_memory_mb:
     the peak while it encoded and compressed (None where the tower runs inside the engine call),
-    compress_s: the compressor's own seconds (None: the kind has none, `untimed_work` says why)."""
+    compress_s: the compressor's own seconds (None: the kind has none, `untimed_work` says why);
+    query_tokens: the question's tokens a compressor that reads it was given (None: it reads none)."""
 
     request: object
     merged_sizes: tuple[int, ...] | None = None
@@ -111,6 +112,7 @@ class ModelInputs:
     vision_s: float = 0.0
     peak_memory_mb: float | None = None
     compress_s: float | None = None
+    query_tokens: int | None = None
 
 
 class MethodKind:
@@ -206,9 +208,10 @@ class MethodKind:
         return TokenBudget(reference, sum(p.visual_tokens for p in plans))
 
     # ------------------------------------------------------------------ inputs
-    def build(self, spec: RunSpec, backbone, prompt: str, video, plan: ResizePlan, pairs, budget: TokenBudget):
-        """The engine's request for `video` at `plan` (`pairs`: its frames resized by the layout)."""
-        return ModelInputs(backbone.build_inputs(prompt, video, plan, pairs))
+    def build(self, spec: RunSpec, backbone, request, video, plan: ResizePlan, pairs, budget: TokenBudget):
+        """The engine's request for `video` at `plan` (`pairs`: its frames resized by the layout),
+        `request` the pipeline's `Request` (its prompt, and the question a compressor may read)."""
+        return ModelInputs(backbone.build_inputs(request.prompt, video, plan, pairs))
 
     def engine_args(self, spec: RunSpec) -> dict:
         """`VLLMBackbone` arguments this kind needs (its own video pruning): none."""
@@ -413,8 +416,8 @@ class InLLMPruner(InModel):
         layers = dims.text.layers
         return spec.method.prune(layers, visual, spec.retention, spec.stage_layers, dims.vision.deepstack)
 
-    def build(self, spec, backbone, prompt, video, plan, pairs, budget) -> ModelInputs:
-        inputs = backbone.build_inputs(prompt, video, plan, pairs)
+    def build(self, spec, backbone, request, video, plan, pairs, budget) -> ModelInputs:
+        inputs = backbone.build_inputs(request.prompt, video, plan, pairs)
         return ModelInputs(backbone.pruned_inputs(inputs, budget.stages))
 
 
@@ -424,7 +427,7 @@ class Compressor(InModel):
 
     name = "vision-side compressor"
     stage = AFTER_MERGER
-    slots = ("compress",)
+    slots = ("compressor",)
     untimed_work = None
 
     def retention_floor(self, spec, planner, dims) -> RetentionFloor:
@@ -442,13 +445,14 @@ class Compressor(InModel):
         share = spec.retention
         return TokenBudget(reference, kept_count(share, plan.visual_tokens, len(plan.grids)), share=share)
 
-    def build(self, spec, backbone, prompt, video, plan, pairs, budget) -> ModelInputs:
+    def build(self, spec, backbone, request, video, plan, pairs, budget) -> ModelInputs:
         method, timer = spec.method, backbone.vision_timer
         compressor = CountedCall(spec.method.compress, timer.stopwatch)  # its work counted and timed
+        query = backbone.question_embeddings(request.query) if method.needs_query else None
         reset_peak_memory(backbone.device)  # the tower runs here, before the engine call
         with timer.recording():
             inputs, sizes = backbone.build_compressed_inputs(
-                prompt,
+                request.prompt,
                 video,
                 plan,
                 compressor,
@@ -456,13 +460,15 @@ class Compressor(InModel):
                 seed=spec.compression_seed,
                 needs_attention=method.needs_attention,
                 pairs=pairs,
+                query=query,
             )
         merged = tuple(sizes.tolist())
         if len(merged) != budget.entering:
             raise RuntimeError(f"{method.name} kept {len(merged)} tokens; the token budget counts {budget.entering}")
         vision_s, peak = timer.take(), peak_memory_mb(backbone.device)
         inputs = self.then(backbone, inputs, budget)
-        return ModelInputs(inputs, merged, compressor.flops, vision_s, peak, compressor.seconds())
+        query_tokens = None if query is None else query.shape[0]
+        return ModelInputs(inputs, merged, compressor.flops, vision_s, peak, compressor.seconds(), query_tokens)
 
     def then(self, backbone, inputs, budget: TokenBudget):
         """The compressed inputs as the engine runs them: as they are."""
@@ -473,13 +479,12 @@ class Compressor(InModel):
         VisionZip, Random Drop), else an error (the work depends on the features)."""
         if counted is not None:
             return super().own_flops(method, dims, grids, retention, counted)
-        similarity = SIMILARITY.get(method.compress)
-        if similarity is None:
+        formula = method.compressor.config_flops
+        if formula is None:
             raise ValueError(f"method={method.name}: its compressor's work depends on the features; count it in a run")
         pair_sizes = [t * h * w for t, h, w in grids]
         keep = kept_count(retention, sum(pair_sizes), len(pair_sizes))
-        width = similarity_width(method.compress, dims.vision)
-        return super().own_flops(method, dims, grids, retention, None) + similarity(pair_sizes, keep, width)
+        return super().own_flops(method, dims, grids, retention, None) + formula(pair_sizes, keep, dims.vision)
 
 
 class CompressorThenPruner(Compressor):
@@ -488,7 +493,7 @@ class CompressorThenPruner(Compressor):
     (`inside_llm.entering_tokens`)."""
 
     name = "compressor plus in-LLM stage"
-    slots = ("compress", "prune")
+    slots = ("compressor", "prune")
 
     def check_llm(self, spec, dims) -> None:
         """Bad `prune_layers` only: the floor on every video is `retention_floor`'s."""
@@ -539,7 +544,7 @@ class DecodePruner(Compressor):
     (`decode_pruning.DecodePruner`); the prefill, and so R, is the compressor's."""
 
     name = "decode-time KV pruner"
-    slots = ("compress", "decode_prune")
+    slots = ("compressor", "decode_prune")
 
     def token_budget(self, spec, plans, reference, dims) -> TokenBudget:
         budget = super().token_budget(spec, plans, reference, dims)

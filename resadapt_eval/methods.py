@@ -19,6 +19,7 @@ from fractions import Fraction
 from typing import Callable
 
 from .baselines import (
+    cdpruner,
     divprune,
     dycoke,
     fastervlm,
@@ -38,6 +39,7 @@ from .baselines import (
     visionzip,
     vispruner,
 )
+from .baselines.common import TokenCompressor
 from .budget import policies
 from .kinds import (
     AFTER_MERGER,
@@ -89,14 +91,14 @@ class Method:
     The algorithm, in the slots its kind fills (`kinds.SLOTS`; the kind refuses a declaration that
     leaves one of them empty or fills another): policy: per-frame scales `(num_frames, base_hw,
     grid, spec) -> (T,)` of a resize policy (None with needs_allocator: the Allocator's scales);
-    compress: `(VisualTokens, keep, seed) -> Compression`; prune: `(num_layers, visual, retention,
+    compressor: a `baselines.common.TokenCompressor`, its `compress` `(VisualTokens, keep, seed) ->
+    Compression` with what it reads (attention, the question), holds and costs; prune: `(num_layers, visual, retention,
     layers, first_layer) -> [Stage]`, an in-LLM schedule (`baselines/inside_llm.py`: retention is
     layer-averaged; after a compressor, its own share of the tokens that entered); decode_prune:
     `(num_layers, visual, retention, first_layer) -> DecodeStage` (`baselines/inside_llm.py`, run
     by `backbones/decode_pruning.py`);
     engine_pruning: vLLM's `video_pruning_method`, run at `video_pruning_rate` = `pruning_rate(R)`.
     Defaults: needs_allocator: its scales come from the Allocator (`allocator=`, frame selection);
-    needs_attention: its compressor reads the attention received in the last ViT block;
     prune_layer_count: how many decoder layers `prune_layers=` names (one per stage; None: any
     number, PyramidDrop's pyramid); aliases: older model-name stems that still resolve; in_paper:
     one of the seven methods the paper compares (the demo's default set).
@@ -108,12 +110,11 @@ class Method:
     kind: MethodKind
     retention: str
     policy: Callable | None = None
-    compress: Callable | None = None
+    compressor: TokenCompressor | None = None
     prune: Callable | None = None
     decode_prune: Callable | None = None
     engine_pruning: str | None = None
     needs_allocator: bool = False
-    needs_attention: bool = False
     prune_layer_count: int | None = 1
     aliases: tuple[str, ...] = ()
     in_paper: bool = False
@@ -122,6 +123,21 @@ class Method:
         if self.retention not in RETENTION_RULES:
             raise ValueError(f"{self.name}: retention must be one of {RETENTION_RULES}, got {self.retention!r}")
         self.kind.check(self)
+
+    @property
+    def compress(self) -> Callable | None:
+        """Its compressor's `compress`, or None."""
+        return self.compressor.compress if self.compressor else None
+
+    @property
+    def needs_attention(self) -> bool:
+        """Its compressor reads the attention received in the last ViT block."""
+        return bool(self.compressor and self.compressor.reads_attention)
+
+    @property
+    def needs_query(self) -> bool:
+        """Its compressor reads the question's embeddings."""
+        return bool(self.compressor and self.compressor.reads_query)
 
     @property
     def stage(self) -> str:
@@ -182,19 +198,10 @@ def get_method(name: str) -> Method:
     return METHODS[name]
 
 
-def _compressor(
-    name: str, display_name: str, class_stem: str, module, needs_attention: bool = False, in_paper: bool = False
-) -> Method:
-    """A compressor after the merger (`module.compress`)."""
+def _compressor(name: str, display_name: str, class_stem: str, module, in_paper: bool = False) -> Method:
+    """A compressor after the merger (`module.COMPRESSOR`)."""
     return Method(
-        name,
-        display_name,
-        class_stem,
-        COMPRESSOR,
-        REQUIRED_RETENTION,
-        compress=module.compress,
-        needs_attention=needs_attention,
-        in_paper=in_paper,
+        name, display_name, class_stem, COMPRESSOR, REQUIRED_RETENTION, compressor=module.COMPRESSOR, in_paper=in_paper
     )
 
 
@@ -214,8 +221,8 @@ def _pruner(name: str, display_name: str, class_stem: str, module, prune_layer_c
 register(Method("vanilla", "Vanilla", "Vanilla", RESIZE_POLICY, NO_RETENTION, policy=policies.vanilla, in_paper=True))
 register(_compressor("random_drop", "Random Drop", "RandomDrop", random_drop, in_paper=True))
 register(_compressor("tome", "ToMe", "ToMe", tome, in_paper=True))
-register(_compressor("visionzip", "VisionZip", "VisionZip", visionzip, needs_attention=True, in_paper=True))
-register(_compressor("flashvid", "FlashVid", "FlashVid", flashvid, needs_attention=True, in_paper=True))
+register(_compressor("visionzip", "VisionZip", "VisionZip", visionzip, in_paper=True))
+register(_compressor("flashvid", "FlashVid", "FlashVid", flashvid, in_paper=True))
 register(_compressor("divprune", "DivPrune", "DivPrune", divprune))
 register(_compressor("vidcom2", "VidCom2", "VidCom2", vidcom2))
 register(
@@ -225,7 +232,7 @@ register(
         "DyCoke",
         DECODE_PRUNER,
         REQUIRED_RETENTION,
-        compress=dycoke.compress,
+        compressor=dycoke.COMPRESSOR,
         decode_prune=dycoke.decode_stage,
     )
 )
@@ -236,11 +243,11 @@ register(
         "PruneVid",
         COMPRESSOR_THEN_PRUNER,
         REQUIRED_RETENTION,
-        compress=prunevid.compress,
+        compressor=prunevid.COMPRESSOR,
         prune=prunevid.stages,
     )
 )
-register(_compressor("fastvid", "FastVID", "FastVID", fastvid, needs_attention=True))
+register(_compressor("fastvid", "FastVID", "FastVID", fastvid))
 register(
     Method(
         "holitom",
@@ -248,16 +255,16 @@ register(
         "HoliTom",
         COMPRESSOR_THEN_PRUNER,
         REQUIRED_RETENTION,
-        compress=holitom.compress,
+        compressor=holitom.COMPRESSOR,
         prune=holitom.stages,
-        needs_attention=True,
     )
 )
 register(_compressor("pooling", "Pooling", "Pooling", pooling))
-register(_compressor("prumerge_plus", "PruMerge+", "PruMergePlus", prumerge_plus, needs_attention=True))
-register(_compressor("vispruner", "VisPruner", "VisPruner", vispruner, needs_attention=True))
-register(_compressor("fastervlm", "FasterVLM", "FasterVLM", fastervlm, needs_attention=True))
+register(_compressor("prumerge_plus", "PruMerge+", "PruMergePlus", prumerge_plus))
+register(_compressor("vispruner", "VisPruner", "VisPruner", vispruner))
+register(_compressor("fastervlm", "FasterVLM", "FasterVLM", fastervlm))
 register(_compressor("gprune", "G-Prune", "GPrune", gprune))
+register(_compressor("cdpruner", "CDPruner", "CDPruner", cdpruner))
 register(_compressor("vcast", "V-CAST", "VCAST", vcast))
 register(_pruner("fastv", "FastV", "FastV", fastv))
 register(_pruner("pyramiddrop", "PyramidDrop", "PyramidDrop", pyramiddrop, prune_layer_count=None))

@@ -87,7 +87,8 @@ class Built:
     work as counted, vision_s: its vision tower's seconds, peak_memory_mb: the peak while it encoded
     and compressed (`measure.clock`; None for other methods, whose tower runs inside the engine
     call); seconds: building time, resize_s of it resizing frames; compress_s: a compressor's own
-    seconds, within `seconds`. The placeholders the request must hold are its token budget's."""
+    seconds, within `seconds`; query_tokens: the question's tokens a compressor read (None: none read).
+    The placeholders the request must hold are its token budget's."""
 
     request: object
     merged_sizes: tuple[int, ...] | None
@@ -97,6 +98,7 @@ class Built:
     vision_s: float = 0.0
     peak_memory_mb: float | None = None
     compress_s: float | None = None
+    query_tokens: int | None = None
 
 
 @dataclass(frozen=True)
@@ -277,7 +279,7 @@ class VideoPipeline:
             (video,), (plan,) = planned.items, planned.plans
             pairs = self.layout.resized_pairs(video, plan, self.spec.resize, self.backbone.device)
             resize_s = time.perf_counter() - t0
-            inputs = self.kind.build(self.spec, self.backbone, request.prompt, video, plan, pairs, budget)
+            inputs = self.kind.build(self.spec, self.backbone, request, video, plan, pairs, budget)
         seconds = time.perf_counter() - t0
         return Built(
             inputs.request,
@@ -288,6 +290,7 @@ class VideoPipeline:
             inputs.vision_s,
             inputs.peak_memory_mb,
             inputs.compress_s,
+            inputs.query_tokens,
         )
 
     def generate(

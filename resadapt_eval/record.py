@@ -37,7 +37,9 @@ class SampleRecord:
     model inputs, resize included), generate_s (this sample's share of the engine call), vision_s (the
     vision tower, inside generate_s or, for a compressor, in preprocess_s; None on vLLM), compress_s (a
     token compressor's own work, within preprocess_s; null where the method has no such stage,
-    compress_s_reason saying why), rank_s (an in-LLM pruner's own ranking and pruning inside the
+    compress_s_reason saying why), query_tokens (the question's tokens a compressor that reads the
+    question embedded; 0 with query_tokens_reason when the request had no question text; null for a
+    method that does not read it), rank_s (an in-LLM pruner's own ranking and pruning inside the
     prefill, or a decoding-time pruner's ranking and selection over its steps; null for a method
     without a stage inside the LLM, rank_s_reason saying why), first_token_s (the engine starting
     this request to its first token: vision tower, a prefill pruner's rank_s and the LLM's
@@ -101,6 +103,8 @@ class SampleRecord:
     vision_s: float | None = None
     compress_s: float | None = None
     compress_s_reason: str | None = None
+    query_tokens: int | None = None
+    query_tokens_reason: str | None = None
     rank_s: float | None = None
     rank_s_reason: str | None = None
     first_token_s: float | None = None
@@ -214,6 +218,9 @@ def build_record(
         record.compress_s = built.compress_s
         if built.compress_s is None:
             record.compress_s_reason = spec.kind.untimed_work or "an image request: not compressed"
+        record.query_tokens = built.query_tokens
+        if built.query_tokens == 0:
+            record.query_tokens_reason = "no question text: compressed as its reference does with an empty instruction"
     if generated is not None:
         record.visual_tokens = budget.entering
         record.layer_visual_tokens = list(budget.layers) if budget.layers is not None else None

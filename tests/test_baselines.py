@@ -28,6 +28,7 @@ def compressed(adapter, method, retention, seed=0, num_frames=8):
         retention,
         seed=seed,
         needs_attention=REGISTRY[method].needs_attention,
+        query=adapter.question_embeddings("Which colour is the square?") if REGISTRY[method].needs_query else None,
     )
     full = adapter.build_inputs(prompt, v, plan)
     return inputs, sizes, full, plan

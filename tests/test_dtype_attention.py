@@ -103,7 +103,8 @@ def answer(adapter, name: str, request: Request) -> Run:
             compressions.append(method.compress(visual_tokens, keep, seed))
             return compressions[-1]
 
-        pipeline.spec = dataclasses.replace(pipeline.spec, method=dataclasses.replace(method, compress=compress))
+        spied = dataclasses.replace(method.compressor, compress=compress)
+        pipeline.spec = dataclasses.replace(pipeline.spec, method=dataclasses.replace(method, compressor=spied))
     generate_batch, generate_ids = adapter.generate_batch, adapter.generate_ids
 
     def spy_batch(built, kwargs):

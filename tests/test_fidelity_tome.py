@@ -12,13 +12,13 @@ each pair gets its `per_pair_budget` share and is merged on its own.
 """
 
 import random
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 from resadapt_eval.baselines import VisualTokens, tome
 from resadapt_eval.baselines.common import merge_groups, per_pair_budget
-from resadapt_eval.compute.flops import tome_similarity
 
 
 def reference_matching(metric: torch.Tensor, r: int):
@@ -114,8 +114,8 @@ def check(pair_sizes: list[int], keep: int, seed: int, dim: int = 6) -> int:
     assert destinations.tolist() == sorted(ref_holders)
     torch.testing.assert_close(merged, torch.cat(ref_x)[order], atol=1e-6, rtol=0)
     assert sizes.tolist() == torch.cat(ref_size)[order].long().tolist()
-    # the similarity count in compute/flops.py is the reference's |A| x |B| cosines per round
-    assert tome_similarity(pair_sizes, keep, dim) == 2 * scores * dim
+    # the similarity count from configs (`tome.similarity_flops`) is the reference's |A| x |B| cosines per round
+    assert tome.similarity_flops(pair_sizes, keep, SimpleNamespace(out_hidden=dim)) == 2 * scores * dim
     return max_rounds
 
 
@@ -159,4 +159,4 @@ def test_fidelity_tome_round_merges_at_most_half_and_reorders():
     assert tome.compress(tokens, 2).assignment.tolist() == [1, 1, 2]
     # round 2 merges 2 into the group held by token 1, which stays its destination
     assert tome.compress(tokens, 1).assignment.tolist() == [1, 1, 1]
-    assert tome_similarity([3], 1, 2) == 2 * (2 * 1 + 1 * 1) * 2
+    assert tome.similarity_flops([3], 1, SimpleNamespace(out_hidden=2)) == 2 * (2 * 1 + 1 * 1) * 2

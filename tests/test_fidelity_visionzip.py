@@ -15,6 +15,7 @@ contextual token (c = 0, pair budgets below 4) the reference would divide by zer
 """
 
 import random
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -22,7 +23,6 @@ import torch
 from resadapt_eval.backbones.vision_attention import last_block_input
 from resadapt_eval.baselines import VisualTokens, visionzip
 from resadapt_eval.baselines.common import merge_groups, per_pair_budget
-from resadapt_eval.compute.flops import visionzip_similarity
 
 from .helpers import vanilla_setup
 
@@ -101,8 +101,9 @@ def check(pair_sizes: list[int], keep: int, seed: int, dim: int = 6, head_dim: i
     assert sizes.tolist() == [assignment.count(d) for d in destinations.tolist()]
     # every token is kept or merged, except in pairs without a contextual token
     assert sizes.sum().item() == n - dropped
-    # the similarity count in compute/flops.py is the reference's (non-targets x targets) cosines
-    assert visionzip_similarity(pair_sizes, keep, head_dim) == 2 * similarities * head_dim
+    # the count from configs (`visionzip.similarity_flops`) is the reference's (non-targets x targets) cosines
+    vision = SimpleNamespace(hidden=2 * head_dim, heads=2)  # keys of the vision head size
+    assert visionzip.similarity_flops(pair_sizes, keep, vision) == 2 * similarities * head_dim
     return contextual
 
 

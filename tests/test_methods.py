@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 import torch
 
+from resadapt_eval.baselines.common import TokenCompressor, holds_nothing, no_matmul
 from resadapt_eval.budget.policies import BudgetSpec
 from resadapt_eval.kinds import COMPRESSOR, FRAME_SELECTION, RESIZE_POLICY
 from resadapt_eval.methods import METHODS, REQUIRED_RETENTION, Method, get_method, register
@@ -24,11 +25,14 @@ def keep_first(tokens, keep, seed=0):
     return assignment
 
 
+KEEP_FIRST = TokenCompressor(keep_first, working_bytes=holds_nothing, host_syncs=0, config_flops=no_matmul)
+
+
 @pytest.fixture
 def extra_method():
     """A method added the way a new baseline is: one compressor plus one registration."""
     method = register(
-        Method("keep_first", "Keep First", "KeepFirst", COMPRESSOR, REQUIRED_RETENTION, compress=keep_first)
+        Method("keep_first", "Keep First", "KeepFirst", COMPRESSOR, REQUIRED_RETENTION, compressor=KEEP_FIRST)
     )
     yield method
     del METHODS[method.name]
@@ -118,15 +122,6 @@ def test_paper_order_and_properties_come_from_the_registry():
     assert [m for m, spec in METHODS.items() if spec.in_paper] == paper  # the demo's default set
     assert [m for m, spec in METHODS.items() if spec.vllm] == ["vanilla", "evs", "fixed_scale", "resadapt"]
     assert [m for m, spec in METHODS.items() if not spec.hf] == ["evs"]  # vLLM's own pruning
-    assert {m for m, spec in METHODS.items() if spec.needs_attention} == {
-        "visionzip",
-        "flashvid",
-        "fastvid",
-        "holitom",
-        "prumerge_plus",
-        "vispruner",
-        "fastervlm",
-    }
     assert plan_cells(["vanilla", "tome"], [0.5, 0.25], [8])[0].retention is None  # vanilla once, no target
     assert len(plan_cells(["vanilla", "tome"], [0.5, 0.25], [8])) == 3
 
@@ -144,10 +139,10 @@ def test_an_unregistered_method_is_rejected_with_the_known_ones(where):
 
 
 def test_a_method_declaration_is_checked():
-    with pytest.raises(ValueError, match="bad: a vision-side compressor method gives compress="):
+    with pytest.raises(ValueError, match="bad: a vision-side compressor method gives compressor="):
         Method("bad", "Bad", "Bad", COMPRESSOR, REQUIRED_RETENTION)
     with pytest.raises(ValueError, match="bad: a vision-side compressor method takes no policy="):
-        Method("bad", "Bad", "Bad", COMPRESSOR, REQUIRED_RETENTION, policy=np.ones, compress=keep_first)
+        Method("bad", "Bad", "Bad", COMPRESSOR, REQUIRED_RETENTION, policy=np.ones, compressor=KEEP_FIRST)
     with pytest.raises(ValueError, match="give a scale policy, or take the scales from the Allocator"):
         Method("bad", "Bad", "Bad", RESIZE_POLICY, REQUIRED_RETENTION)
     with pytest.raises(ValueError, match="frame selection is what operator=select"):

@@ -50,8 +50,12 @@ TARGETS = {
     ("qwen25vl", "resadapt"): 0.3,
 }
 # Methods whose row `resadapt-eval flops` prints from configs alone (the others' compressors do work
-# that depends on the features): the row equals the record in every part
-ROW_METHODS = ("vanilla", "fixed_scale", "random_drop", "tome", "visionzip", "fastv", "pyramiddrop")
+# that depends on the features, and declare no `config_flops`): the row equals the record in every part
+ROW_METHODS = [
+    name
+    for name, m in METHODS.items()
+    if m.prune is None and m.decode_prune is None and (m.compressor is None or m.compressor.config_flops is not None)
+] + [name for name, m in METHODS.items() if m.compressor is None and m.prune is not None]
 TWO_STAGE = [name for name, m in METHODS.items() if m.compress is not None and m.prune is not None]
 
 

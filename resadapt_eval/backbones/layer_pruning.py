@@ -9,6 +9,11 @@ tokens only, so a kept token keeps its original M-RoPE position. The KV cache of
 holds only the kept tokens; in each decode step the mask (when the attention needs one) drops the
 pruned prompt columns. Qwen3-VL adds deepstack features to the visual tokens after its first
 layers: a stage must come after them (`first_layer`).
+
+Cost in memory: a ranking forms the keys of its L tokens in blocks of at most `BLOCK_ROWS` tokens
+(PyramidDrop's input_layernorm included), so it holds the (L, kv_heads d) keys and one block's work,
+never an (L, H) copy; HoliTom's merge forms its similarity a block of dropped tokens at a time. The
+blocks change no bit of the keys, scores or merged features (`projected_qk`).
 """
 
 from __future__ import annotations
@@ -20,29 +25,46 @@ from contextlib import contextmanager
 import torch
 import torch.nn.functional as F
 
-from ..baselines.inside_llm import STAGE_INPUT, TEXT_AFTER_VISUAL, Stage, layer_counts
+from ..baselines.inside_llm import BLOCK_ROWS, STAGE_INPUT, TEXT_AFTER_VISUAL, Stage, layer_counts
 from ..measure.clock import Spans, Stopwatch
 from ..measure.counting import counted_flops
 
 
-def projected_qk(attention: torch.nn.Module, hidden: torch.Tensor, first_query: int, rotary=None):
+def projected_qk(attention: torch.nn.Module, hidden: torch.Tensor, first_query: int, rotary=None, norm=None):
     """(1, heads, Q, d) queries of the last Q = L - first_query of L tokens and (1, kv_heads, L, d)
     keys of all L, as `attention` (a Qwen2.5-VL / Qwen3-VL text attention module) forms them from its
-    input `hidden` (1, L, H): only those query rows are projected, the key heads are not repeated
+    input, `hidden` (1, L, H) or, when given, `norm(hidden)` (`norm`: the decoder layer's
+    input_layernorm): only those query rows are projected, the key heads are not repeated
     (`grouped_logits` pairs each query head with its key head), and `rotary` (cos, sin), each
-    (1, L, d), is applied when given."""
+    (1, L, d), is applied when given. The keys are formed in ceil(L / BLOCK_ROWS) equal blocks of
+    tokens (norm, k_proj, Qwen3-VL's per-head k_norm, rotary), each written into one tensor laid out
+    as a single pass lays it out, so no (L, H) normed copy or (L, kv_heads d) temporary exists whole.
+    Each step acts on each token alone, so the keys are bit for bit those of one pass (checked on CPU
+    at 7B's and 8B's widths; a block of fewer than 12 rows can take another matmul path, hence no
+    short last block)."""
     d, length = attention.head_dim, hidden.shape[1]
-    q = attention.q_proj(hidden[:, first_query:]).view(1, length - first_query, -1, d)
-    k = attention.k_proj(hidden).view(1, length, -1, d)
-    if hasattr(attention, "q_norm"):  # Qwen3-VL normalises q and k per head before the rotary
-        q, k = attention.q_norm(q), attention.k_norm(k)
-    q, k = q.transpose(1, 2), k.transpose(1, 2)  # (1, heads, Q, d), (1, kv_heads, L, d)
+    apply = sys.modules[type(attention).__module__].apply_rotary_pos_emb  # the module's own rotary
+
+    def heads(rows: slice, project, head_norm) -> torch.Tensor:
+        """(1, n, heads, d): the `rows` of `hidden` normed, projected and normed per head."""
+        x = hidden[:, rows] if norm is None else norm(hidden[:, rows])
+        x = project(x).view(1, x.shape[1], -1, d)
+        return x if head_norm is None else head_norm(x)  # Qwen3-VL's q_norm / k_norm, before the rotary
+
+    q = heads(slice(first_query, length), attention.q_proj, getattr(attention, "q_norm", None)).transpose(1, 2)
     if rotary is not None:
-        apply = sys.modules[type(attention).__module__].apply_rotary_pos_emb  # the module's own rotary
         cos, sin = rotary
         q, _ = apply(q, q[:, :0], cos[:, first_query:], sin[:, first_query:])  # (the empty slice: no work)
-        _, k = apply(k[:, :0], k, cos, sin)
-    return q, k
+    keys, blocks = None, -(-length // BLOCK_ROWS)  # equal blocks: a short last one could change the matmul's path
+    for i in range(blocks):
+        rows = slice(i * length // blocks, (i + 1) * length // blocks)
+        k = heads(rows, attention.k_proj, getattr(attention, "k_norm", None)).transpose(1, 2)  # (1, kv_heads, n, d)
+        if rotary is not None:
+            _, k = apply(k[:, :0], k, cos[:, rows], sin[:, rows])
+        if keys is None:  # (1, L, kv_heads, d) in memory, as one pass's rotary leaves them
+            keys = k.new_empty(1, length, k.shape[1], d).transpose(1, 2)
+        keys[:, :, rows] = k
+    return q, keys
 
 
 def grouped_logits(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
@@ -80,7 +102,7 @@ def stage_input_attention(layer: torch.nn.Module, hidden: torch.Tensor, cos, sin
     to that dtype, mean over heads in that dtype (PyramidDrop's modeling_llama_pdrop.py, lines
     1321-1342 and 1395-1399; the last token sees every key, so the causal mask adds nothing)."""
     attention = layer.self_attn
-    q, k = projected_qk(attention, layer.input_layernorm(hidden), hidden.shape[1] - 1, (cos, sin))
+    q, k = projected_qk(attention, hidden, hidden.shape[1] - 1, (cos, sin), layer.input_layernorm)
     logits = grouped_logits(q, k) / math.sqrt(attention.head_dim)  # (1, heads, 1, L)
     weights = torch.softmax(logits, dim=-1, dtype=torch.float32).to(q.dtype)
     return weights[0, :, 0].mean(dim=0)
@@ -107,12 +129,21 @@ def text_attention(attention: torch.nn.Module, hidden: torch.Tensor, cos, sin, f
 def merge_into_nearest(hidden: torch.Tensor, kept: torch.Tensor, dropped: torch.Tensor) -> torch.Tensor:
     """`hidden` (1, L, H) with each `dropped` position (in increasing order) averaged into the
     `kept` position of highest cosine similarity: kept <- (kept + dropped) / 2, in turn. A kept
-    token that takes m dropped ones d_1 < ... < d_m becomes kept / 2^m + sum_j d_j / 2^(m - j + 1)."""
+    token that takes m dropped ones d_1 < ... < d_m becomes kept / 2^m + sum_j d_j / 2^(m - j + 1).
+    The (D, K) float32 similarity is formed for ceil(D / BLOCK_ROWS) equal blocks of dropped tokens
+    at a time, each reduced to its argmax (rows bit for bit those of one product, as the keys in
+    `projected_qk`)."""
     if len(dropped) == 0:
         return hidden
     h = hidden[0]
-    similarity = F.normalize(h[dropped].float(), dim=-1) @ F.normalize(h[kept].float(), dim=-1).T
-    target = similarity.argmax(dim=-1)  # (D,) index into kept, dropped in increasing order
+    unit_kept = F.normalize(h[kept].float(), dim=-1).T  # (H, K)
+    target = torch.cat(  # (D,) index into kept, dropped in increasing order
+        [
+            (F.normalize(h[rows].float(), dim=-1) @ unit_kept).argmax(dim=-1)
+            for rows in dropped.tensor_split(-(-len(dropped) // BLOCK_ROWS))
+        ]
+    )
+    del unit_kept
     counts = torch.zeros(len(kept), dtype=torch.long, device=target.device).index_add_(
         0, target, torch.ones_like(target)
     )  # m per kept token (bincount would read its maximum on the host)

@@ -168,10 +168,12 @@ class QwenVideoAdapter:
         seed: int = 0,
         needs_attention: bool = False,
         pairs: list[torch.Tensor] | None = None,
+        query: torch.Tensor | None = None,
     ) -> tuple[dict, torch.Tensor]:
         """Inputs for `plan` with its merged visual tokens compressed by `compress` to
         floor(retention * N) tokens; kept tokens keep their full-sequence M-RoPE positions and text
-        after the video keeps its positions. Returns (inputs for `generate`, group sizes (K,))."""
+        after the video keeps its positions. `query`: the question's embeddings (M, D), for a
+        compressor that reads them (`question_embeddings`). Returns (inputs for `generate`, group sizes (K,))."""
         from ..baselines import VisualTokens, kept_count, merge_groups
 
         full = self.build_inputs(prompt, video, plan, pairs)
@@ -183,7 +185,12 @@ class QwenVideoAdapter:
         features = torch.cat(encoded.pooler_output)
         received, keys = self.last_block_scores(captured, full["video_grid_thw"]) if needs_attention else (None, None)
         tokens = VisualTokens(
-            features=features, pair_sizes=plan.pair_tokens, grids=plan.grids, received_attention=received, keys=keys
+            features=features,
+            pair_sizes=plan.pair_tokens,
+            grids=plan.grids,
+            received_attention=received,
+            keys=keys,
+            query=query,
         )
         compression = compress(tokens, kept_count(retention, features.shape[0], len(plan.grids)), seed)
         deepstack = getattr(encoded, "deepstack_features", None)
@@ -194,6 +201,13 @@ class QwenVideoAdapter:
             outputs["deepstack_features"] = [[d] for d in merged_deepstack]
         encoder_outputs = {"video": type(encoded)(**outputs)}
         return dict(compressed_sequence(full, positions, kept), mm_encoder_outputs=encoder_outputs), sizes
+
+    def question_embeddings(self, text: str) -> torch.Tensor:
+        """(M, D) the LLM's input embeddings of the M tokens of `text` (no special tokens; M = 0 for
+        an empty text), on the model's device in its dtype: the space the merged visual tokens enter."""
+        ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        embed = self.model.get_input_embeddings()
+        return embed(torch.tensor(ids, dtype=torch.long, device=embed.weight.device))
 
     # ------------------------------------------------------------------ pruning inside the LLM
     @property

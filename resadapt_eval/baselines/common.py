@@ -16,12 +16,47 @@ from __future__ import annotations
 import itertools
 import math
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
 from ..budget.plan import InfeasibleBudget
 
 DROPPED = -1  # assignment value of a token that is removed outright
+F32 = 4  # bytes of a float32
+
+
+def promoted(n: int, width: int, b: int) -> int:
+    """Bytes of a float32 copy of n x width features of `b` bytes each (none when they are float32)."""
+    return n * width * F32 if b != F32 else 0
+
+
+def pair_matrices(sizes: list[int], factor: int = 1) -> int:
+    """Bytes of `factor` float32 matrices over the largest pair's tokens."""
+    return factor * max(sizes) ** 2 * F32
+
+
+def unit_rows_and(factor: int, copies: int = 1) -> Callable[[list[int], int, int], int]:
+    """A `TokenCompressor.working_bytes` rule: float32 copies of the tokens (`copies` unit rows
+    besides the promoted one) and `factor` float32 matrices over the largest pair (density peaks:
+    distances, the denser mask, the masked distances)."""
+
+    def count(sizes: list[int], width: int, b: int) -> int:
+        n = sum(sizes)
+        return promoted(n, width, b) + copies * n * width * F32 + pair_matrices(sizes, factor)
+
+    return count
+
+
+def no_matmul(pair_sizes: list[int], keep: int, vision) -> int:
+    """A `TokenCompressor.config_flops` rule for a method that draws, averages or ranks scores: no
+    matmul counted."""
+    return 0
+
+
+def holds_nothing(sizes: list[int], width: int, b: int) -> int:
+    """A `TokenCompressor.working_bytes` rule for index arithmetic on (N,) scores: no working copy."""
+    return 0
 
 
 @dataclass
@@ -30,13 +65,16 @@ class VisualTokens:
     grids: (t, h, w) merged grid per pair; received_attention: (N,) attention each token's
     4 patches received in the last ViT block (mean over heads and queries), when computed;
     keys: (N, head_dim) the last ViT block's attention keys before rotary (mean over heads and the
-    4 patches), computed with received_attention."""
+    4 patches), computed with received_attention; query: (M, D) the LLM's input embeddings of the
+    M text tokens of the request's question (M = 0: no question text), in the features' dtype and on
+    their device, given to a compressor that reads the question (`TokenCompressor.reads_query`)."""
 
     features: torch.Tensor
     pair_sizes: list[int]
     grids: list[tuple[int, int, int]]
     received_attention: torch.Tensor | None = None
     keys: torch.Tensor | None = None
+    query: torch.Tensor | None = None
 
     @property
     def pair_starts(self) -> list[int]:
@@ -46,6 +84,29 @@ class VisualTokens:
 def pair_starts(sizes: list[int]) -> list[int]:
     """Where each of consecutive pairs of `sizes` tokens starts."""
     return list(itertools.accumulate(sizes[:-1], initial=0))
+
+
+@dataclass(frozen=True)
+class TokenCompressor:
+    """A compressor's declaration, the one place every surface reads it from (the registry, the
+    engine, the FLOPs and memory counts, the host-sync check).
+
+    compress: `(VisualTokens, keep, seed) -> Compression`, keeping exactly `keep` tokens;
+    working_bytes: `(pair_sizes, width, b) -> bytes` it holds beyond its inputs on N = sum(pair_sizes)
+    tokens of `width` features of `b` bytes each (`flops --memory`);
+    host_syncs: the most host-device syncs one call makes, whatever the number of pairs
+    (`tests/test_host_syncs.py` counts them);
+    reads_attention: it reads the attention received in the last ViT block and its keys;
+    reads_query: it reads the question's embeddings (`VisualTokens.query`);
+    config_flops: `(pair_sizes, keep, vision) -> FLOPs` of its work from configs alone (`vision`:
+    the tower's `VisionDims`), or None when the work depends on the features and is counted in a run."""
+
+    compress: Callable
+    working_bytes: Callable[[list[int], int, int], int]
+    host_syncs: int
+    reads_attention: bool = False
+    reads_query: bool = False
+    config_flops: Callable | None = None
 
 
 @dataclass(frozen=True)

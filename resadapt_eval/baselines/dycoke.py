@@ -53,7 +53,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .common import DROPPED, Compression, VisualTokens, check_keep, per_pair_budget
+from .common import DROPPED, Compression, TokenCompressor, VisualTokens, check_keep, per_pair_budget, unit_rows_and
 from .inside_llm import DecodeStage, scaled_layer
 
 WINDOW = 4  # frames per TTM window; the first one is the reference
@@ -145,3 +145,6 @@ def decode_stage(num_layers: int, visual: int, retention: float, first_layer: in
     where larger, so that R = 1 keeps every token), re-selected below cosine 0.9."""
     keep = min(visual, max(1, int(visual * max(1 - DECODE_PRUNING, retention) + 1e-9)))
     return DecodeStage(scaled_layer(DECODE_LAYER, DECODE_LAYERS, num_layers, first_layer), keep, SIMILARITY_THRESHOLD)
+
+
+COMPRESSOR = TokenCompressor(compress, working_bytes=unit_rows_and(1), host_syncs=0)

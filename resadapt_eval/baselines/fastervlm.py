@@ -64,7 +64,16 @@ from __future__ import annotations
 
 import torch
 
-from .common import DROPPED, Compression, VisualTokens, pair_table, per_pair_budget, rank_in_pair
+from .common import (
+    DROPPED,
+    Compression,
+    TokenCompressor,
+    VisualTokens,
+    no_matmul,
+    pair_table,
+    per_pair_budget,
+    rank_in_pair,
+)
 
 
 def compress(tokens: VisualTokens, keep: int, seed: int = 0) -> Compression:
@@ -78,3 +87,13 @@ def compress(tokens: VisualTokens, keep: int, seed: int = 0) -> Compression:
     kept = rank_in_pair(scores, pair_of, place, shape) < budget[pair_of]  # each pair's top k, original order
     index = torch.arange(len(scores), device=device)
     return Compression(torch.where(kept, index, torch.full_like(index, DROPPED)))
+
+
+def working_bytes(sizes: list[int], width: int, b: int) -> int:
+    """Its (pairs, longest pair) table of scores and places (24 bytes a cell)."""
+    return len(sizes) * max(sizes) * 24
+
+
+COMPRESSOR = TokenCompressor(
+    compress, working_bytes=working_bytes, host_syncs=0, reads_attention=True, config_flops=no_matmul
+)

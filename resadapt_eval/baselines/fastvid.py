@@ -81,7 +81,17 @@ import math
 import torch
 import torch.nn.functional as F
 
-from .common import DROPPED, Compression, VisualTokens, by_mask, density_peaks, per_pair_budget, top
+from .common import (
+    DROPPED,
+    Compression,
+    TokenCompressor,
+    VisualTokens,
+    by_mask,
+    density_peaks,
+    per_pair_budget,
+    top,
+    unit_rows_and,
+)
 
 DYSEG_C = 8  # at least c segments (the c - 1 lowest transitions are cuts)
 DYSEG_TAU = 0.84  # and a cut wherever adjacent frames' cosine is below tau (Qwen2.5-VL setting)
@@ -190,3 +200,6 @@ def dtm_weights(assignment: torch.Tensor) -> torch.Tensor:
     weights = (1 - w) / n
     weights = torch.where(assignment == torch.arange(len(assignment), device=assignment.device), weights + w, weights)
     return torch.where(members, weights, torch.zeros_like(weights))
+
+
+COMPRESSOR = TokenCompressor(compress, working_bytes=unit_rows_and(3), host_syncs=1, reads_attention=True)

@@ -96,7 +96,17 @@ import math
 
 import torch
 
-from .common import DROPPED, Compression, VisualTokens, by_mask, pair_starts, per_pair_budget, top
+from .common import (
+    DROPPED,
+    Compression,
+    TokenCompressor,
+    VisualTokens,
+    by_mask,
+    pair_starts,
+    per_pair_budget,
+    top,
+    unit_rows_and,
+)
 
 SEGMENT_THRESHOLD = 0.9
 MIN_SEGMENTS = 4  # scripts/qwen2_5_vl.sh and qwen3_vl.sh (the config default, 8, is for LLaVA)
@@ -312,3 +322,6 @@ def compress(tokens: VisualTokens, keep: int, seed: int = 0) -> Compression:
         assignment[here] = torch.where(merged, first + centre, assignment[here])
         weights[here] = torch.where(merged, share, weights[here])
     return Compression(assignment, weights)
+
+
+COMPRESSOR = TokenCompressor(compress, working_bytes=unit_rows_and(3), host_syncs=1, reads_attention=True)

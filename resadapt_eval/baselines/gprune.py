@@ -75,7 +75,7 @@ from __future__ import annotations
 
 import torch
 
-from .common import DROPPED, Compression, VisualTokens, per_pair_budget
+from .common import DROPPED, F32, Compression, TokenCompressor, VisualTokens, per_pair_budget
 
 SIMILARITY = 0.5  # llava_arch.py:240, cosine below which two tokens are not linked
 TEMPERATURE = 0.03  # :242, softmax temperature of the links
@@ -151,3 +151,11 @@ def compress(tokens: VisualTokens, keep: int, seed: int = 0) -> Compression:
         kept = keep_top(scores, budget_of[first : first + count]).flatten()
         assignment[span] = torch.where(kept, index[span], DROPPED)
     return Compression(assignment)
+
+
+def working_bytes(sizes: list[int], width: int, b: int) -> int:
+    """A pair's float32 graph and its two buffers."""
+    return 3 * max(sizes) ** 2 * F32
+
+
+COMPRESSOR = TokenCompressor(compress, working_bytes=working_bytes, host_syncs=0)

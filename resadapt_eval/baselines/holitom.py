@@ -36,6 +36,15 @@ LLaVA-NeXT/llava/model/multimodal_encoder/siglip_encoder.py (last layer, mean ov
 queries), scripts/eval_ov-7b_holitom.sh (T by RETAIN_RATIO) and the defaults of llava_arch.py:350-355
 (beta = 0.6, D = 0, K = 7, MAX_WINDOW_SIZE 1024).
 
+Cost: the reference normalises every token of the video at once for its frame similarities (a copy of
+all N x D features in their dtype, llava_arch.py:377-380) and gathers each window's static and dynamic
+features (:298-301). Here no copy of all N tokens is made: each pair's rows are promoted to float32 and
+normalised as the step similarities read them (two pairs' unit rows held at a time), and a window's
+static chains are averaged `CHAIN_TOKENS` tokens at a time (the same float32 means), so the extra
+memory is a few pairs' float32 rows and the DPC-kNN matrices over a window's m <= n static positions
+(m^2): about 72 MiB at most at 128 frames of Qwen2.5-VL-7B (N = 46,080 tokens of 3,584 in float32,
+where one float32 copy of them is 630 MiB). Host syncs: 2 (see `redundancy_gains`, `compress`).
+
 Deviations from the reference:
 
 - Inner-LLM merging (`stages`, holitom/modeling_qwen2.py of the code, HOLITOM_k = 18 of
@@ -88,7 +97,18 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from .common import DROPPED, Compression, VisualTokens, check_keep, density_peaks, top
+from .common import (
+    DROPPED,
+    F32,
+    Compression,
+    TokenCompressor,
+    VisualTokens,
+    check_keep,
+    density_peaks,
+    pair_matrices,
+    promoted,
+    top,
+)
 from .inside_llm import Stage, check_layers, scaled_layer
 
 TAU = 0.8  # a position is static across a step when its tokens' cosine exceeds tau (scripts: RETAIN_RATIO >= 0.15)
@@ -97,6 +117,7 @@ BETA = 0.6  # a cluster centre's weight in its merged feature (llava_arch.py:352
 DENSITY_K = 7  # DPC-kNN neighbours, at most the number of centres (the token itself included)
 INNER_LAYER, INNER_LAYERS = 18, 28  # HOLITOM_k of LLaVA-OneVision-7B's 28 layers
 INNER_MERGE = 0.5  # HOLITOM_r: the share of the visual tokens merged away at the inner stage
+CHAIN_TOKENS = 4096  # static-chain tokens gathered at once for their temporal means (56 MiB of float32 at D = 3,584)
 
 
 @dataclass
@@ -109,22 +130,35 @@ class Window:
     chains: torch.Tensor
 
 
-def step_matches(tokens: VisualTokens, unit: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def step_matches(tokens: VisualTokens, feats: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """For each step p -> p + 1: (n_p,) index of each token's follower in pair p + 1 and (n_p,) their cosine,
-    -inf where a token has no follower."""
-    starts, sizes, steps = tokens.pair_starts, tokens.pair_sizes, []
+    -inf where a token has no follower. Each pair's rows of `feats` (N, D) are promoted to float32 and
+    normalised as they are read: two pairs' unit rows are held at a time, never all N."""
+    starts, sizes, steps, device = tokens.pair_starts, tokens.pair_sizes, [], feats.device
+
+    def unit(p: int) -> torch.Tensor:  # pair p's float32 unit rows, (n_p, D)
+        return F.normalize(feats[starts[p] : starts[p] + sizes[p]].float(), dim=-1)
+
+    # the steps are views of two (N,) tensors made first: nothing kept is allocated between a step's large
+    # temporaries (on the CPU, small results kept between them left glibc's heap holding the freed pairs'
+    # pages: about 1 GB resident at 128 frames)
+    followers = torch.empty(feats.shape[0], dtype=torch.long, device=device)
+    cosines = torch.empty(feats.shape[0], device=device)
+    b = unit(0)
     for p in range(len(sizes) - 1):
-        a = unit[starts[p] : starts[p] + sizes[p]]
-        b = unit[starts[p + 1] : starts[p + 1] + sizes[p + 1]]
+        a, b = b, unit(p + 1)
+        follower, similarity = followers[starts[p] : starts[p] + sizes[p]], cosines[starts[p] : starts[p] + sizes[p]]
         if tokens.grids[p] == tokens.grids[p + 1]:
-            steps.append((torch.arange(sizes[p], device=unit.device), (a * b).sum(dim=-1)))
-            continue
-        similarity, follower = (a @ b.T).max(dim=1)
-        # most similar first (ties: lower index), a follower goes to the first token that reaches it
-        rank = torch.empty_like(follower)
-        rank[torch.sort(similarity, descending=True, stable=True).indices] = torch.arange(sizes[p], device=unit.device)
-        first = torch.full((sizes[p + 1],), sizes[p], device=unit.device).scatter_reduce_(0, follower, rank, "amin")
-        steps.append((follower, similarity.masked_fill(rank != first[follower], -math.inf)))
+            torch.arange(sizes[p], out=follower, device=device)
+            torch.sum(a * b, dim=-1, out=similarity)
+        else:
+            torch.max(a @ b.T, dim=1, out=(similarity, follower))
+            # most similar first (ties: lower index), a follower goes to the first token that reaches it
+            rank = torch.empty_like(follower)
+            rank[torch.sort(similarity, descending=True, stable=True).indices] = torch.arange(sizes[p], device=device)
+            first = torch.full((sizes[p + 1],), sizes[p], device=device).scatter_reduce_(0, follower, rank, "amin")
+            similarity.masked_fill_(rank != first[follower], -math.inf)
+        steps.append((follower, similarity))
     return steps
 
 
@@ -224,6 +258,13 @@ def apportion(total: int, sizes: list[int], floors: list[int]) -> list[int]:
     return share
 
 
+def chain_means(feats: torch.Tensor, chains: torch.Tensor) -> torch.Tensor:
+    """The float32 temporal mean of each chain's tokens: `chains` (c, L) indices into `feats` (N, D), the
+    tokens gathered and promoted CHAIN_TOKENS at a time (a window's chains can span most of the video); (c, D)."""
+    rows = max(1, CHAIN_TOKENS // chains.shape[1])
+    return torch.cat([feats[block].float().mean(dim=1) for block in chains.split(rows)])
+
+
 def merge_static(
     window: Window, feats: torch.Tensor, count: int, assignment: torch.Tensor, weights: torch.Tensor
 ) -> None:
@@ -233,7 +274,7 @@ def merge_static(
     count == 0 leaves them all dropped."""
     if count == 0:
         return
-    means = feats[window.chains].mean(dim=1)
+    means = chain_means(feats, window.chains)
     centres, dist = density_peaks(means, count, min(DENSITY_K, count))
     centres = centres.sort().values  # the reference sorts the centres before matching to them
     nearest = centres[dist[:, centres].argmin(dim=1)]
@@ -260,10 +301,10 @@ def compress(tokens: VisualTokens, keep: int, seed: int = 0) -> Compression:
         raise ValueError("holitom needs the attention received in the last ViT block")
     check_keep(tokens.pair_sizes, keep)
     starts, sizes = tokens.pair_starts, tokens.pair_sizes
-    feats = tokens.features.float()
+    feats = tokens.features  # no float32 copy: each pair's rows, each block of static chains promoted as read
     device = feats.device
     attention = tokens.received_attention.to(device).float()
-    steps = step_matches(tokens, F.normalize(feats, dim=-1))
+    steps = step_matches(tokens, feats)
     tau = static_threshold(keep, feats.shape[0])
 
     # 1. global redundancy-aware temporal segmentation (one host sync)
@@ -321,3 +362,17 @@ def stages(
     check_layers([layer], num_layers, first_layer)
     keep = min(visual, max(1, round(visual * max(1 - INNER_MERGE, retention))))
     return [Stage(layer, keep, merge=True)]
+
+
+def working_bytes(sizes: list[int], width: int, b: int) -> int:
+    """Float32 working copies of a few pairs' tokens, never all N: the step similarities hold two pairs'
+    unit rows and their product (and a pair's promoted rows for half-precision features); a window's
+    static chains are averaged CHAIN_TOKENS tokens at a time (gathered, then promoted), then clustered:
+    their means (at most a pair's positions) and three float32 matrices over them (density peaks)."""
+    pair = max(sizes) * width * F32
+    steps = 3 * pair + promoted(max(sizes), width, b)
+    block = min(CHAIN_TOKENS, sum(sizes)) * width * (F32 + (b if b != F32 else 0))
+    return max(steps, block + pair + pair_matrices(sizes, 3))
+
+
+COMPRESSOR = TokenCompressor(compress, working_bytes=working_bytes, host_syncs=2, reads_attention=True)

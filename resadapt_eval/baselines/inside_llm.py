@@ -35,6 +35,8 @@ from ..budget.plan import InfeasibleBudget
 # How a stage ranks the visual tokens (see the module docstring):
 LAST_TOKEN = "last_token"  # the prompt's last token's attention in the layer before, mean over heads (FastV, HoliTom)
 STAGE_INPUT = "stage_input"  # the same row from the stage layer's own norm and q/k on its input (PyramidDrop)
+# at most this many tokens' keys or similarity rows a stage forms at a time (`backbones.layer_pruning`)
+BLOCK_ROWS = 4096
 TEXT_AFTER_VISUAL = "text_after_visual"  # text after the video, no rotary nor mask, max over them and heads (PruneVid)
 
 

@@ -83,7 +83,7 @@ import math
 
 import torch
 
-from .common import Compression, VisualTokens, per_pair_budget
+from .common import Compression, TokenCompressor, VisualTokens, holds_nothing, no_matmul, per_pair_budget
 
 
 def pair_grid(grid: tuple[int, int, int], size: int) -> tuple[int, int]:
@@ -136,3 +136,7 @@ def compress(tokens: VisualTokens, keep: int, seed: int = 0) -> Compression:
     sizes = torch.tensor(tokens.pair_sizes, dtype=torch.long, device=device)
     pair = torch.repeat_interleave(torch.arange(len(rows), device=device), sizes, output_size=n)
     return Compression(windows(shapes, pair, n))
+
+
+# index arithmetic; the means are the kept tokens' copy
+COMPRESSOR = TokenCompressor(compress, working_bytes=holds_nothing, host_syncs=0, config_flops=no_matmul)

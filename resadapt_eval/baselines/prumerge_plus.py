@@ -89,7 +89,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .common import DROPPED, Compression, VisualTokens, by_mask, per_pair_budget, top
+from .common import DROPPED, F32, Compression, TokenCompressor, VisualTokens, by_mask, per_pair_budget, top
 
 IQR_FACTOR = 1.5  # clip_encoder.py:42, upper_bound = Q3 + 1.5 * IQR
 STRIDE_DIVISOR = 3  # clip_encoder.py:210, int(step_length / 3)
@@ -198,3 +198,11 @@ def compress(tokens: VisualTokens, keep: int, seed: int = 0) -> Compression:
         assignment[start + others] = torch.where(owner >= 0, start + kept[owner.clamp(min=0)], DROPPED)
         weights[start + others] = a[others]
     return Compression(assignment, weights)
+
+
+def working_bytes(sizes: list[int], width: int, b: int) -> int:
+    """Per pair: a block of at most 256 kept tokens' float32 key similarities to the pair's tokens."""
+    return max(min(256, n) * n * F32 for n in sizes)
+
+
+COMPRESSOR = TokenCompressor(compress, working_bytes=working_bytes, host_syncs=0, reads_attention=True)

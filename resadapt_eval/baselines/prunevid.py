@@ -65,6 +65,15 @@ Deviations from the reference:
   as denser, and wins ties in score), and k is min(7, count). The output is deterministic, and `seed` is unused.
 - Fewer than 4 pairs still form one temporal cluster (the reference's int(0.25 * frames) would be 0; it always
   has 16 frames).
+
+Cost of `compress` (N tokens, D wide, P pairs of at most n tokens, segments of W pairs, groups of m <= n items):
+the reference's work (DPC-KNN on the P pair means, W n D per segment, m^2 D per group). Memory: never a copy of
+a segment or of the video; one block of positions at a time (at most n tokens: max(1, n // W) positions of all W
+pairs) is normalised for the static similarity or averaged into a group's features, and one group's float32
+features (m x D) and its 3 m x m float32 matrices are held while it is clustered (`working_bytes`: 26 MiB at
+64 pairs of 720 tokens, D = 3,584, float32). The reference holds per segment its normalised copy and its static
+and dynamic `masked_select` copies, about 2 W n D values in the features' dtype, and m x m per group. Host syncs:
+2 (the temporal labels, every segment's position similarities), the reference at least 3 P.
 """
 
 from __future__ import annotations
@@ -74,7 +83,18 @@ import math
 import torch
 import torch.nn.functional as F
 
-from .common import Compression, VisualTokens, check_keep, density_peaks, per_pair_budget, top
+from .common import (
+    F32,
+    Compression,
+    TokenCompressor,
+    VisualTokens,
+    check_keep,
+    density_peaks,
+    pair_matrices,
+    per_pair_budget,
+    promoted,
+    top,
+)
 from .inside_llm import TEXT_AFTER_VISUAL, Stage, check_layers, scaled_layer
 
 TAU = 0.8  # static threshold on a position's mean pairwise cosine across a segment's frames
@@ -148,18 +168,35 @@ def temporal_segments(tokens: VisualTokens) -> list[list[int]]:
     return segments
 
 
+def position_block(frames: torch.Tensor) -> int:
+    """Positions of frames (W, L, D) worked on at once, max(1, L // W): a block holds at most L tokens of the
+    W frames (W tokens where W > L)."""
+    return max(1, frames.shape[1] // frames.shape[0])
+
+
 def static_similarity(frames: torch.Tensor) -> torch.Tensor:
-    """(L,) mean cosine between the tokens at each position over all pairs of distinct frames; frames: (W, L, D)."""
-    w = frames.shape[0]
-    total = F.normalize(frames.float(), dim=-1).sum(dim=0)
-    return ((total * total).sum(dim=-1) - w) / (w * (w - 1))
+    """(L,) mean cosine between the tokens at each position over all pairs of distinct frames; frames: (W, L, D),
+    normalised in float32 one block of positions at a time (`position_block`)."""
+    w, b = frames.shape[0], position_block(frames)
+    sims = []
+    for p in range(0, frames.shape[1], b):
+        total = F.normalize(frames[:, p : p + b].float(), dim=-1).sum(dim=0)
+        sims.append(((total * total).sum(dim=-1) - w) / (w * (w - 1)))
+    return torch.cat(sims)
+
+
+def position_means(frames: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """(n, D) float32 means over the W frames of frames (W, L, D) of the tokens at each of `positions` (n,),
+    one block of positions at a time (`position_block`)."""
+    b = position_block(frames)
+    return torch.cat([frames[:, positions[p : p + b]].float().mean(dim=0) for p in range(0, len(positions), b)])
 
 
 def segment_frames(tokens: VisualTokens, segment: list[int]) -> torch.Tensor:
-    """(W, L, D) float32 tokens of the W consecutive pairs of a segment (same grid)."""
+    """(W, L, D) tokens of the W consecutive pairs of a segment (same grid): a view of the features."""
     start, length = tokens.pair_starts[segment[0]], tokens.pair_sizes[segment[0]]
     frames = tokens.features[start : start + len(segment) * length]
-    return frames.view(len(segment), length, -1).float()
+    return frames.view(len(segment), length, -1)
 
 
 def static_counts(tokens: VisualTokens, segments: list[list[int]], keep: int) -> tuple[list[int], list]:
@@ -192,8 +229,10 @@ def compress(tokens: VisualTokens, keep: int, seed: int = 0) -> Compression:
     starts, sizes = tokens.pair_starts, tokens.pair_sizes
     device = tokens.features.device
     segments = temporal_segments(tokens)
-    # clustering groups: (features (n, D), member tokens (n, W) of each item, the first its destination); a static
-    # token is the mean of its position over the segment and sits in the segment's first pair
+    # clustering groups: (frames (W, L, D), positions (n,) of its items in them, member tokens (n, W) of each item,
+    # the first its destination); an item's features, the float32 mean of its position over the W frames (a static
+    # token: W pairs of the segment; a dynamic one: its own pair), are made when the group is clustered, so that one
+    # group's are held at a time
     groups = []
     for seg, count, sim in zip(segments, *static_counts(tokens, segments, keep)):
         first, length = starts[seg[0]], sizes[seg[0]]
@@ -203,14 +242,16 @@ def compress(tokens: VisualTokens, keep: int, seed: int = 0) -> Compression:
             positions = top(sim, count).sort().values
             is_static[positions] = True
             members = first + positions[:, None] + length * torch.arange(len(seg), device=device)
-            groups.append((segment_frames(tokens, seg)[:, positions].mean(dim=0), members))
+            groups.append((segment_frames(tokens, seg), positions, members))
         dynamic = torch.sort(is_static, stable=True).indices[: length - count]  # the other positions, in order
         for p in seg:
-            members = starts[p] + dynamic[:, None]
-            groups.append((tokens.features[members[:, 0]].float(), members))
+            groups.append((segment_frames(tokens, [p]), dynamic, starts[p] + dynamic[:, None]))
     assignment = torch.arange(tokens.features.shape[0], device=device)
-    for (feats, members), k in zip(groups, per_pair_budget([len(m) for _, m in groups], keep)):
-        owner = torch.arange(len(members), device=device) if k == len(members) else dpc_knn(feats, k)
+    for (frames, positions, members), k in zip(groups, per_pair_budget([len(m) for *_, m in groups], keep)):
+        if k == len(members):
+            owner = torch.arange(len(members), device=device)
+        else:
+            owner = dpc_knn(position_means(frames, positions), k)
         assignment[members] = members[owner, :1].expand_as(members)
     return Compression(assignment)
 
@@ -226,3 +267,14 @@ def stages(
     check_layers([layer], num_layers, first_layer)
     keep = min(visual, max(1, math.floor(max(ALPHA, retention) * visual + 1e-9)))
     return [Stage(layer, keep, rank_by=TEXT_AFTER_VISUAL)]
+
+
+def working_bytes(sizes: list[int], width: int, b: int) -> int:
+    """One clustering group or block of positions at a time: a block of at most one pair's tokens (a
+    segment's W tokens of one position where W is larger) gathered and promoted to float32, the group's
+    float32 features (at most a pair's), and 3 float32 matrices over the largest pair (density peaks)."""
+    block = max(max(sizes), len(sizes))
+    return block * width * b + promoted(block, width, b) + max(sizes) * width * F32 + pair_matrices(sizes, 3)
+
+
+COMPRESSOR = TokenCompressor(compress, working_bytes=working_bytes, host_syncs=2)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from .common import DROPPED, Compression, VisualTokens, check_keep
+from .common import DROPPED, Compression, TokenCompressor, VisualTokens, check_keep, holds_nothing, no_matmul
 
 
 def compress(tokens: VisualTokens, keep: int, seed: int = 0) -> Compression:
@@ -34,3 +34,6 @@ def compress(tokens: VisualTokens, keep: int, seed: int = 0) -> Compression:
     kept = torch.cat([chosen, extra])
     assignment[kept] = kept
     return Compression(assignment)
+
+
+COMPRESSOR = TokenCompressor(compress, working_bytes=holds_nothing, host_syncs=0, config_flops=no_matmul)

@@ -39,7 +39,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .common import Compression, VisualTokens, per_pair_budget
+from .common import F32, Compression, TokenCompressor, VisualTokens, per_pair_budget
 
 
 def merge_pair(features: torch.Tensor, target: int) -> torch.Tensor:
@@ -79,3 +79,24 @@ def compress(tokens: VisualTokens, keep: int, seed: int = 0) -> Compression:
     for start, size, target in zip(tokens.pair_starts, tokens.pair_sizes, budget):
         parts.append(merge_pair(tokens.features[start : start + size], target) + start)
     return Compression(torch.cat(parts))
+
+
+def working_bytes(sizes: list[int], width: int, b: int) -> int:
+    """Per pair: its float32 sums, metric and copy, and the |A| x |B| scores."""
+    return max(3 * n * width * F32 + ((n + 1) // 2) * (n // 2) * F32 for n in sizes)
+
+
+def similarity_flops(pair_sizes: list[int], keep: int, vision) -> int:
+    """Bipartite similarities: per round |A| x |B| cosines of the merged features (`vision.out_hidden`
+    wide), rounds repeated until each pair reaches its share of `keep` (as `merge_pair` runs them)."""
+    total = 0
+    for size, target in zip(pair_sizes, per_pair_budget(pair_sizes, keep)):
+        alive = size
+        while alive > target:
+            a, b = (alive + 1) // 2, alive // 2
+            total += 2 * a * b * vision.out_hidden
+            alive -= min(b, alive - target)  # r = min(over budget, t // 2)
+    return total
+
+
+COMPRESSOR = TokenCompressor(compress, working_bytes=working_bytes, host_syncs=0, config_flops=similarity_flops)

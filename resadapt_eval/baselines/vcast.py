@@ -94,7 +94,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .common import DROPPED, Compression, VisualTokens, check_keep, pair_places, rank_in_pair
+from .common import DROPPED, F32, Compression, TokenCompressor, VisualTokens, check_keep, pair_places, rank_in_pair
 
 BUDGET_TEMPERATURE = 0.7  # DEFAULT_BUDGET_TEMP, :16
 MIN_K = 1  # DEFAULT_MIN_K, :15: tokens every frame keeps at least
@@ -194,3 +194,11 @@ def compress(tokens: VisualTokens, keep: int, seed: int = 0) -> Compression:
     kept = rank_in_pair(scores, pair_of, place, (len(sizes), max(sizes))) < budget[pair_of]
     index = torch.arange(n, device=device)
     return Compression(torch.where(kept, index, torch.full_like(index, DROPPED)))
+
+
+def working_bytes(sizes: list[int], width: int, b: int) -> int:
+    """One pair's float32 copy at a time."""
+    return max(sizes) * width * F32
+
+
+COMPRESSOR = TokenCompressor(compress, working_bytes=working_bytes, host_syncs=0)

@@ -28,6 +28,14 @@ Deviations from the reference:
 - Scores in float64 (T = 0.01 magnifies float32 rounding of the frame uniqueness into the budgets);
   ties in channel variance or token score go to the lower index (the reference's topk leaves them
   unspecified).
+
+Cost (N tokens, D wide, P pairs of at most n tokens): O(N D) time, as the reference's, in four passes
+over the pairs (the channel means, their variance, the unit rows for the video's mean token, the
+similarities); memory one pair at a time, never an N x D copy: a pair's float64 rows and their
+deviations (2 n D x 8 bytes) and four N-vectors (`working_bytes`: 41 MiB at 64 pairs of 720 tokens,
+D = 3,584). The reference batches all frames as (F, n, D/2) in the features' dtype: the gathered
+channels, their unit rows, a difference to a centre and its square, up to 4 x N D/2 values at once
+(630 MiB in bfloat16 at that size). Host syncs: 1 (the frame weights, read once), the reference 2.
 """
 
 from __future__ import annotations
@@ -35,35 +43,60 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .common import DROPPED, Compression, VisualTokens, check_keep
+from .common import DROPPED, Compression, TokenCompressor, VisualTokens, check_keep
 
 CHANNEL_FRACTION = 0.5  # share of channels kept for scoring: those of lowest variance
 KERNEL_WIDTHS = (1 / 8, 1 / 4, 1 / 2, 1.0, 2.0)  # Gaussian kernel scales a
 TEMPERATURE = 0.01  # softmax temperature of the frame uniqueness
 
 
-def low_variance_channels(features: torch.Tensor) -> torch.Tensor:
-    """features (N, D) restricted to the CHANNEL_FRACTION of channels with the lowest variance
-    over the video (biased), (N, D')."""
-    variance = features.var(dim=0, unbiased=False)
+def channel_variance(features: torch.Tensor, starts: list[int], sizes: list[int]) -> torch.Tensor:
+    """Biased variance of each channel of features (N, D) over the video, (D,) float64: the mean, then
+    the mean squared deviation from it, each summed one pair at a time (at most a pair's float64 rows
+    and their deviations are held, never all N)."""
+    pairs = [features[s : s + n] for s, n in zip(starts, sizes)]
+    mean = sum(pair.double().sum(dim=0) for pair in pairs) / len(features)
+    return sum((pair.double() - mean).square_().sum(dim=0) for pair in pairs) / len(features)
+
+
+def scoring_channels(features: torch.Tensor, starts: list[int], sizes: list[int]) -> torch.Tensor:
+    """Indices (D',) of the CHANNEL_FRACTION of channels of features (N, D) with the lowest variance
+    over the video, ties to the lower index."""
     count = max(1, int(features.shape[1] * CHANNEL_FRACTION))
-    return features[:, torch.sort(variance, stable=True).indices[:count]]
+    return torch.sort(channel_variance(features, starts, sizes), stable=True).indices[:count]
+
+
+def low_variance_channels(features: torch.Tensor) -> torch.Tensor:
+    """features (N, D) restricted to the scoring channels (`scoring_channels`, the video as one pair), (N, D')."""
+    return features[:, scoring_channels(features, [0], [features.shape[0]])]
 
 
 def gaussian_similarity(x: torch.Tensor, centre: torch.Tensor) -> torch.Tensor:
     """Multi-scale Gaussian kernel between each row of x (n, D) and centre (D,), (n,)."""
-    squared = ((x - centre) ** 2).sum(dim=-1)
+    squared = (x - centre).square_().sum(dim=-1)
     return sum(torch.exp(-squared / (2 * a)) for a in KERNEL_WIDTHS)
 
 
-def similarities(feats: torch.Tensor, starts: list[int], sizes: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each token's similarity to the video's mean token and to its frame's mean token, (N,) each;
-    feats (N, D') are the scoring channels, L2-normalised per token."""
-    to_video = gaussian_similarity(feats, feats.mean(dim=0))
-    to_frame = torch.cat(
-        [gaussian_similarity(feats[s : s + n], feats[s : s + n].mean(dim=0)) for s, n in zip(starts, sizes)]
-    )
-    return to_video, to_frame
+def unit_rows(features: torch.Tensor, channels: torch.Tensor | slice) -> torch.Tensor:
+    """Rows of features (n, D) on `channels`, in float64, L2-normalised, (n, D')."""
+    return F.normalize(features[:, channels].double(), dim=-1)
+
+
+def similarities(
+    features: torch.Tensor, starts: list[int], sizes: list[int], channels: torch.Tensor | slice = slice(None)
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each token's similarity to the video's mean token and to its frame's mean token, (N,) each, in
+    float64, on the unit rows of features (N, D) over `channels` (`unit_rows`). The unit rows are made
+    one pair at a time, twice (for the video's mean, then for the similarities to it): at most one
+    pair's float64 rows and their differences to a mean are held, never all N."""
+    pairs = [(s, s + n) for s, n in zip(starts, sizes)]
+    video = sum(unit_rows(features[s:e], channels).sum(dim=0) for s, e in pairs) / features.shape[0]
+    to_video, to_frame = [], []
+    for s, e in pairs:
+        unit = unit_rows(features[s:e], channels)
+        to_video.append(gaussian_similarity(unit, video))
+        to_frame.append(gaussian_similarity(unit, unit.mean(dim=0)))
+    return torch.cat(to_video), torch.cat(to_frame)
 
 
 def frame_weights(to_video: torch.Tensor, starts: list[int], sizes: list[int]) -> torch.Tensor:
@@ -120,8 +153,8 @@ def compress(tokens: VisualTokens, keep: int, seed: int = 0) -> Compression:
         return Compression(torch.arange(n))  # cpu: a CPU Compression, moved by merge_groups
     starts, sizes = tokens.pair_starts, tokens.pair_sizes
     # float64: the frame weights' softmax at T = 0.01 turns score rounding into budget changes
-    feats = F.normalize(low_variance_channels(tokens.features.double()), dim=-1)
-    to_video, to_frame = similarities(feats, starts, sizes)
+    channels = scoring_channels(tokens.features, starts, sizes)
+    to_video, to_frame = similarities(tokens.features, starts, sizes, channels)
     budget = frame_budgets(frame_weights(to_video, starts, sizes), sizes, keep)
     score = to_video + to_frame
     assignment = torch.full((n,), DROPPED, dtype=torch.long, device=score.device)
@@ -129,3 +162,13 @@ def compress(tokens: VisualTokens, keep: int, seed: int = 0) -> Compression:
         kept = s + unique_tokens(score[s : s + size], k)
         assignment[kept] = kept
     return Compression(assignment)
+
+
+def working_bytes(sizes: list[int], width: int, b: int) -> int:
+    """One pair at a time: its float64 rows and their deviations from the video's mean (the channel
+    variance; its unit rows on half the channels and their differences to a mean are no larger), and
+    four 8-byte vectors over the N tokens (the two similarities, their sum, the assignment)."""
+    return 2 * max(sizes) * width * 8 + 4 * sum(sizes) * 8
+
+
+COMPRESSOR = TokenCompressor(compress, working_bytes=working_bytes, host_syncs=1)

@@ -54,7 +54,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .common import DROPPED, Compression, VisualTokens, by_mask, per_pair_budget, top
+from .common import DROPPED, Compression, TokenCompressor, VisualTokens, by_mask, holds_nothing, per_pair_budget, top
 
 DOMINANT_FRACTION = 54 / 64
 
@@ -95,3 +95,21 @@ def compress(tokens: VisualTokens, keep: int, seed: int = 0) -> Compression:
         assignment[members] = targets[nearest]
         weights[members] = 1.0 / group_size[nearest].double()
     return Compression(assignment, weights)
+
+
+def similarity_flops(pair_sizes: list[int], keep: int, vision) -> int:
+    """Contextual merging: per pair with budget k split into n_dom dominant and c contextual
+    (`split`), the size - n_dom - c non-target tokens against the c targets, cosines of the keys
+    (the vision head size, `vision.hidden // vision.heads`, wide)."""
+    width = vision.hidden // vision.heads
+    total = 0
+    for size, k in zip(pair_sizes, per_pair_budget(pair_sizes, keep)):
+        n_dom, c = split(k)
+        total += 2 * (size - n_dom - c) * c * width
+    return total
+
+
+# it selects on (n,) attentions and (n, d_k) keys: no working copy of the features
+COMPRESSOR = TokenCompressor(
+    compress, working_bytes=holds_nothing, host_syncs=0, reads_attention=True, config_flops=similarity_flops
+)

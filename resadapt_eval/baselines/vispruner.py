@@ -81,7 +81,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .common import DROPPED, Compression, VisualTokens, per_pair_budget
+from .common import DROPPED, F32, Compression, TokenCompressor, VisualTokens, per_pair_budget
 
 IMPORTANT_RATIO = 0.5  # `important_ratio`, llava/eval/model_vqa_loader.py:152
 MAX_REMOVED = 8  # duplicates removed per round at most, llava_arch.py:163
@@ -189,3 +189,11 @@ def compress(tokens: VisualTokens, keep: int, seed: int = 0) -> Compression:
         kept = select(features, attention, at, k).flatten()
         assignment[kept] = kept
     return Compression(assignment)
+
+
+def working_bytes(sizes: list[int], width: int, b: int) -> int:
+    """Per pair: its float32 unit rows and their Gram matrix."""
+    return max(n * width * F32 + n * n * F32 for n in sizes)
+
+
+COMPRESSOR = TokenCompressor(compress, working_bytes=working_bytes, host_syncs=0, reads_attention=True)

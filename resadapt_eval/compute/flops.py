@@ -35,8 +35,6 @@ import json
 from dataclasses import dataclass, fields
 from pathlib import Path
 
-from ..baselines import fastervlm, pooling, random_drop, tome, visionzip
-from ..baselines.common import per_pair_budget
 from ..budget.tokens import TokenBudget
 from .configs import KNOWN_CONFIGS
 
@@ -246,35 +244,6 @@ def ranking_flops(x: TextDims, length: int) -> int:
 
 
 # ---------------------------------------------------------------------- a method's own work
-def tome_similarity(pair_sizes: list[int], keep: int, width: int) -> int:
-    """ToMe's bipartite similarities: per round |A| x |B| cosines of `width`-wide features, rounds
-    repeated until each pair reaches its share of `keep` (as `tome.merge_pair` runs them)."""
-    total = 0
-    for size, target in zip(pair_sizes, per_pair_budget(pair_sizes, keep)):
-        alive = size
-        while alive > target:
-            a, b = (alive + 1) // 2, alive // 2
-            total += 2 * a * b * width
-            alive -= min(b, alive - target)  # r = min(over budget, t // 2)
-    return total
-
-
-def visionzip_similarity(pair_sizes: list[int], keep: int, width: int) -> int:
-    """VisionZip's contextual merging: per pair with budget k split into n_dom dominant and c
-    contextual (`visionzip.split`), the size - n_dom - c non-target tokens against the c targets,
-    cosines of `width`-wide keys."""
-    total = 0
-    for size, k in zip(pair_sizes, per_pair_budget(pair_sizes, keep)):
-        n_dom, c = visionzip.split(k)
-        total += 2 * (size - n_dom - c) * c * width
-    return total
-
-
-def no_similarity(pair_sizes: list[int], keep: int, width: int) -> int:
-    """Random Drop draws its tokens, Pooling averages windows, FasterVLM ranks attention: no matmul."""
-    return 0
-
-
 def evs_similarity(grids, width: int) -> int:
     """vLLM's EVS over one video of equal pairs: each token of a later pair is compared by cosine
     (three `width`-long dot products) with the token at its position in the pair before."""
@@ -282,20 +251,6 @@ def evs_similarity(grids, width: int) -> int:
 
 
 ENGINE_PRUNING = {"evs": evs_similarity}
-
-SIMILARITY = {
-    random_drop.compress: no_similarity,
-    pooling.compress: no_similarity,
-    fastervlm.compress: no_similarity,
-    tome.compress: tome_similarity,
-    visionzip.compress: visionzip_similarity,
-}
-
-
-def similarity_width(compress, v: VisionDims) -> int:
-    """Width of the vectors a compressor compares: VisionZip's keys (the vision head size), or
-    else the merged features (D_out)."""
-    return v.hidden // v.heads if compress is visionzip.compress else v.out_hidden
 
 
 def recomputed_attention(v: VisionDims, grids) -> int:

@@ -31,18 +31,18 @@ tensor and the kernels' own workspaces are left out):
   d_h, all x b; eager: n_h L^2 max(2 b, b + 4) scores plus the L^2 b causal mask) and the MLP
   (3 L I b + L H b). Counted at its first layer, with the whole prompt, against the whole cache:
   an upper bound for a method that prunes inside the LLM.
-- extra, a method's own: before the LLM, a token compressor holds the encoded tokens (N x D_out
-  x b, with deepstack) and its working tensors (`COMPRESSOR_BYTES`: float32 copies of the tokens,
-  its largest similarity or distance matrix over a pair, DivPrune's 1024-row chunk of its N x N
-  distances; VisionZip's selection holds only per-pair vectors), and an attention-reading method recomputes the last
-  ViT block's attention (`recompute_bytes`: its captured input and rotary tables, qkv, the
-  rotary's float32 q / k, per segment float32 q / k and two heads x L_s^2 float32 score
-  matrices). Inside the LLM (`stage_bytes`): a stage's ranking row (the keys of every token, not
-  repeated to n_h heads, float32 scores; PruneVid's rows of every text token; PyramidDrop's
-  normed input), HoliTom's merge (float32 unit rows of the kept and dropped tokens and their
-  similarity matrix), the kept tokens' copy. The Allocator of
-  method=resadapt: its parameters and buffers as loaded (float32; its activations, frames at its
-  encoder's small input size, are not counted).
+- extra, a method's own: before the LLM, a token compressor holds the encoded tokens (N x D_out x b,
+  with deepstack) and its working tensors (its declaration's `TokenCompressor.working_bytes`, in its
+  module: float32 copies of the tokens, its largest similarity or distance matrix over a pair,
+  DivPrune's block of its N x N distances; VisionZip's selection holds only per-pair vectors), and
+  an attention-reading method recomputes the last ViT block's attention (`recompute_bytes`: its
+  captured input and rotary tables, qkv, the rotary's float32 q / k, per segment float32 q / k and
+  two heads x L_s^2 float32 score matrices). Inside the LLM (`stage_bytes`): a stage's ranking row
+  (the keys of every token, not repeated to n_h heads, float32 scores; PruneVid's rows of every text
+  token; PyramidDrop's normed input), HoliTom's merge (float32 unit rows of the kept and dropped
+  tokens and their similarity, a block of dropped tokens at a time), the kept tokens' copy. The
+  Allocator of method=resadapt: its parameters and buffers as loaded (float32; its activations,
+  frames at its encoder's small input size, are not counted).
 
 The vision tower's activations are freed before the LLM's prefill starts, so
 peak = weights + Allocator + max(encoding, LLM) with encoding = inputs + max(vision, extra
@@ -53,25 +53,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..baselines import (
-    divprune,
-    dycoke,
-    fastervlm,
-    fastvid,
-    flashvid,
-    gprune,
-    holitom,
-    pooling,
-    prumerge_plus,
-    prunevid,
-    random_drop,
-    tome,
-    vcast,
-    vidcom2,
-    visionzip,
-    vispruner,
-)
-from ..baselines.inside_llm import STAGE_INPUT, TEXT_AFTER_VISUAL
+from ..baselines.inside_llm import BLOCK_ROWS, STAGE_INPUT, TEXT_AFTER_VISUAL
 from .flops import BackboneDims, RowPlan, TextDims, VisionDims, block_segments, per_layer
 
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
@@ -187,77 +169,6 @@ def llm_activation_bytes(
 
 
 # ---------------------------------------------------------------------- a method's own
-def promoted(n: int, width: int, b: int) -> int:
-    """A float32 copy of n x width features (none when they are float32 already)."""
-    return n * width * F32 if b != F32 else 0
-
-
-def pair_matrix(sizes: list[int], factor: int = 1) -> int:
-    """`factor` float32 matrices over the largest pair's tokens."""
-    return factor * max(sizes) ** 2 * F32
-
-
-def tome_bytes(sizes: list[int], width: int, b: int) -> int:
-    """Per pair: its float32 sums, metric and copy, and the |A| x |B| scores."""
-    return max(3 * n * width * F32 + ((n + 1) // 2) * (n // 2) * F32 for n in sizes)
-
-
-def divprune_bytes(sizes: list[int], width: int, b: int) -> int:
-    """Unit float32 rows of every token, and the N x N float32 distances where they fit
-    `divprune.DISTANCE_MATRIX_BYTES`, else a ROW_CHUNK x N chunk of them."""
-    n = sum(sizes)
-    distances = n * n * F32 if divprune.holds_distance_matrix(n) else min(divprune.ROW_CHUNK, n) * n * F32
-    return promoted(n, width, b) + n * width * F32 + distances
-
-
-def vidcom2_bytes(sizes: list[int], width: int, b: int) -> int:
-    """A float64 copy of the tokens and its low-variance half, normalised."""
-    n = sum(sizes)
-    return n * width * 8 + 2 * n * (width // 2) * 8
-
-
-def _unit_rows_and(factor: int, copies: int = 1):
-    """float32 copies of the tokens (`copies` unit rows besides the promoted one) and `factor`
-    float32 matrices over the largest pair (density peaks: distances, the denser mask, the masked
-    distances)."""
-
-    def count(sizes: list[int], width: int, b: int) -> int:
-        n = sum(sizes)
-        return promoted(n, width, b) + copies * n * width * F32 + pair_matrix(sizes, factor)
-
-    return count
-
-
-def prumerge_plus_bytes(sizes: list[int], width: int, b: int) -> int:
-    """Per pair: a block of at most 256 kept tokens' float32 key similarities to the pair's tokens."""
-    return max(min(256, n) * n * F32 for n in sizes)
-
-
-def vispruner_bytes(sizes: list[int], width: int, b: int) -> int:
-    """Per pair: its float32 unit rows and their Gram matrix."""
-    return max(n * width * F32 + n * n * F32 for n in sizes)
-
-
-COMPRESSOR_BYTES = {
-    random_drop.compress: lambda sizes, width, b: 0,
-    tome.compress: tome_bytes,
-    visionzip.compress: lambda sizes, width, b: 0,  # selects on (n,) attentions and (n, d_k) keys
-    flashvid.compress: _unit_rows_and(3),
-    divprune.compress: divprune_bytes,
-    vidcom2.compress: vidcom2_bytes,
-    dycoke.compress: _unit_rows_and(1),
-    prunevid.compress: _unit_rows_and(3, copies=2),
-    fastvid.compress: _unit_rows_and(3),
-    holitom.compress: _unit_rows_and(3),
-    pooling.compress: lambda sizes, width, b: 0,  # index arithmetic; the means are the kept tokens' copy
-    prumerge_plus.compress: prumerge_plus_bytes,
-    vispruner.compress: vispruner_bytes,
-    fastervlm.compress: lambda sizes, width, b: len(sizes) * max(sizes) * 24,  # its (pairs, longest) score table
-    gprune.compress: lambda sizes, width, b: 3 * max(sizes) ** 2 * F32,  # a pair's float32 graph and its buffers
-    vcast.compress: lambda sizes, width, b: max(sizes) * width * F32,  # one pair's float32 copy at a time
-}
-
-
 def recompute_bytes(v: VisionDims, grids, dtype: str = "bfloat16") -> int:
     """The last ViT block's attention recomputed for the attention-reading methods
     (`vision_attention.received_attention_and_keys`): its captured input and rotary tables, qkv,
@@ -270,16 +181,19 @@ def recompute_bytes(v: VisionDims, grids, dtype: str = "bfloat16") -> int:
 
 def stage_bytes(x: TextDims, stage, tokens: int, visual: int, text: int, dtype: str = "bfloat16") -> int:
     """One stage inside the LLM over `tokens` tokens (`visual` visual, `text` text): its ranking
-    (the keys and their rotated copy, n_kv heads, never repeated to n_h; float32 rows of scores),
-    HoliTom's merge and the kept copy."""
-    b = dtype_bytes(dtype)
+    (the rotated keys, n_kv heads, never repeated to n_h, formed a block of at most `BLOCK_ROWS`
+    tokens at a time: the block's projected and rotated copies, and for PyramidDrop the block's
+    normed input, two float32 B x H tensors inside RMSNorm; float32 rows of scores), HoliTom's
+    merge (float32 unit rows of the kept tokens, then per block of at most `BLOCK_ROWS` dropped
+    tokens their float32 unit rows and similarity to the kept; the merged copy) and the kept copy."""
+    b, block = dtype_bytes(dtype), min(tokens, BLOCK_ROWS)
     rows = text if stage.rank_by == TEXT_AFTER_VISUAL else 1
-    total = tokens * x.kv_heads * x.head_dim * 2 * b
+    total = (tokens + 2 * block) * x.kv_heads * x.head_dim * b
     total += 3 * x.heads * rows * tokens * F32
     if stage.rank_by == STAGE_INPUT:
-        total += tokens * x.hidden * b
+        total += 2 * block * x.hidden * F32
     if stage.merge:
-        dropped = visual - stage.keep
+        dropped = min(visual - stage.keep, BLOCK_ROWS)
         total += 2 * (dropped + stage.keep) * x.hidden * F32 + dropped * stage.keep * F32 + tokens * x.hidden * b
     return total + (tokens - visual + stage.keep) * x.hidden * b
 
@@ -336,10 +250,7 @@ def sample_memory(
     if method.compress is not None:  # the encoded vanilla tokens and the compressor's work
         sizes = [t * h * w for t, h, w in plan.grids]
         encoding = sum(sizes) * v.out_hidden * (1 + v.deepstack) * b
-        work = COMPRESSOR_BYTES.get(method.compress)
-        if work is None:
-            raise ValueError(f"method={method.name}: no memory rule for its compressor")
-        encoding += work(sizes, v.out_hidden, b)
+        encoding += method.compressor.working_bytes(sizes, v.out_hidden, b)
     if method.needs_attention:
         encoding += recompute_bytes(v, plan.grids, dtype)
     inside = 0  # the stages run one after another: the largest
