@@ -474,8 +474,12 @@ def compressor_kernels():
     def divprune_greedy(feats, attention):  # the whole greedy runs on fake tensors: it never reads a value back
         pair_of = torch.arange(4, device=feats.device).repeat_interleave(16)
         index = torch.tensor([3], device=feats.device)
-        nearest, row = divprune.nearest_neighbour_distance(feats), divprune.cosine_distance_to(feats, index)
-        return divprune.max_min_greedy(feats, pair_of, 4, 10), divprune.distance_matrix(feats), nearest, row
+        norms = divprune.row_norms(feats)
+        nearest, row = (
+            divprune.nearest_neighbour_distance(feats, norms),
+            divprune.cosine_distance_to(feats, index, norms),
+        )
+        return divprune.max_min_greedy(feats, pair_of, 4, 10), divprune.distance_matrix(feats, norms), nearest, row
 
     return [
         ("divprune", divprune_greedy, CUDA),

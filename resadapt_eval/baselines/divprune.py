@@ -76,20 +76,18 @@ def upper_block(feats: torch.Tensor, norms: torch.Tensor, start: int, stop: int)
     return dots.div_(norms[start:stop, None] * norms[start:]).neg_().add_(1)
 
 
-def cosine_distance_to(feats: torch.Tensor, i: torch.Tensor, norms: torch.Tensor | None = None) -> torch.Tensor:
+def cosine_distance_to(feats: torch.Tensor, i: torch.Tensor, norms: torch.Tensor) -> torch.Tensor:
     """1 - cos(x_j, x_i) for every row j of `feats` (N, D), as `upper_block` computes it, `i` a one-element
-    index tensor (no host sync), `norms` the rows' (`row_norms`, computed if not given): one N x D
+    index tensor (no host sync), `norms` the rows' (`row_norms`): one N x D
     matrix-vector product, no copy of the features; (N,)."""
-    norms = row_norms(feats) if norms is None else norms
     dots = (feats @ feats.index_select(0, i)[0]).to(norms.dtype)
     return dots.div_(norms * norms.index_select(0, i)).neg_().add_(1)
 
 
-def nearest_neighbour_distance(feats: torch.Tensor, norms: torch.Tensor | None = None) -> torch.Tensor:
+def nearest_neighbour_distance(feats: torch.Tensor, norms: torch.Tensor) -> torch.Tensor:
     """min over j != i of 1 - cos(x_i, x_j) for every row i of `feats` (N, D) (`norms`: the rows',
-    computed if not given): the pairs i < j once each, ROW_CHUNK rows of i at a time (one ROW_CHUNK x N
+    `row_norms`): the pairs i < j once each, ROW_CHUNK rows of i at a time (one ROW_CHUNK x N
     block of distances and its divisor held); (N,)."""
-    norms = row_norms(feats) if norms is None else norms
     n = feats.shape[0]
     out = torch.full((n,), torch.inf, dtype=norms.dtype, device=feats.device)
     chunk = min(ROW_CHUNK, n)
@@ -103,11 +101,10 @@ def nearest_neighbour_distance(feats: torch.Tensor, norms: torch.Tensor | None =
     return out
 
 
-def distance_matrix(feats: torch.Tensor, norms: torch.Tensor | None = None) -> torch.Tensor:
-    """1 - cos between every two rows of `feats` (N, D) (`norms`: the rows', computed if not given),
+def distance_matrix(feats: torch.Tensor, norms: torch.Tensor) -> torch.Tensor:
+    """1 - cos between every two rows of `feats` (N, D) (`norms`: the rows', `row_norms`),
     symmetric (the pairs i < j computed once each, ROW_CHUNK rows at a time), a token's distance to
     itself set to inf (so a column's minimum is its nearest other token); (N, N) in the distances' dtype."""
-    norms = row_norms(feats) if norms is None else norms
     n = feats.shape[0]
     distances = torch.empty(n, n, dtype=norms.dtype, device=feats.device)
     chunk = min(ROW_CHUNK, n)
