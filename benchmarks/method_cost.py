@@ -239,7 +239,7 @@ def in_llm_run(layer, rotary, stages, visual: int, num_layers: int, device, dtyp
     hidden = torch.randn(1, length, layer.hidden_size, generator=torch.Generator().manual_seed(0)).to(device, dtype)
     positions = torch.arange(length, device=device).expand(3, 1, length)
     full = rotary(hidden, positions)
-    layers = SimpleNamespace(layers=[layer] * num_layers)
+    layers = SimpleNamespace(layers=[layer] * num_layers, norm=layer.input_layernorm)  # norm: a stand-in final norm
     visual_positions = torch.arange(TEXT_BEFORE, TEXT_BEFORE + visual, device=device)
 
     @torch.inference_mode()

@@ -6,6 +6,8 @@ A row is planned as a run plans it (`RunSpec` and its kind: `MethodKind.typical_
 
 from __future__ import annotations
 
+from .baselines import dart
+from .baselines.inside_llm import DUPLICATION
 from .budget.plan import TokenGrid
 from .budget.planner import Planner
 from .compute.flops import BackboneDims, RowPlan, SampleFlops, ranking_flops, sample_flops
@@ -68,9 +70,19 @@ def row_flops(
     scoring = allocator.flops(frames, query_tokens) if method.needs_allocator else 0
     ranking = None  # each stage's ranking, in the layer before it
     if plan.stages is not None:
-        ranking = sum(ranking_flops(dims.text, plan.prompt[s.layer - 1]) for s in plan.stages)
+        ranking = sum(stage_flops(dims.text, s, plan, text_tokens) for s in plan.stages)
     flops = sample_flops(dims, method, plan.grids, retention, plan.prompt, output_tokens, ranking, allocator=scoring)
     return flops, plan.visual
+
+
+def stage_flops(x, stage, plan: RowPlan, text_tokens: int) -> int:
+    """A stage's own FLOPs inside the LLM, from the prompt its layer before sees: DART's keys and
+    pivot similarities (`dart.ranking_flops`), else the last token's attention row (`ranking_flops`)."""
+    length = plan.prompt[stage.layer - 1]
+    if stage.rank_by == DUPLICATION:
+        visual = length - (plan.prompt[0] - plan.visual)
+        return dart.ranking_flops(x.hidden, x.kv_heads * x.head_dim, length, visual, stage.keep, text_tokens)
+    return ranking_flops(x, length)
 
 
 def row_memory(

@@ -20,6 +20,7 @@ from typing import Callable
 
 from .baselines import (
     cdpruner,
+    dart,
     divprune,
     dycoke,
     fastervlm,
@@ -268,6 +269,7 @@ register(_compressor("cdpruner", "CDPruner", "CDPruner", cdpruner))
 register(_compressor("vcast", "V-CAST", "VCAST", vcast))
 register(_pruner("fastv", "FastV", "FastV", fastv))
 register(_pruner("pyramiddrop", "PyramidDrop", "PyramidDrop", pyramiddrop, prune_layer_count=None))
+register(_pruner("dart", "DART", "DART", dart))
 register(Method("evs", "EVS", "EVS", ENGINE_PRUNER, REQUIRED_RETENTION, engine_pruning="evs"))
 register(
     Method(

@@ -23,6 +23,12 @@ SMOKE_TASK = "resadapt_smoke_videoqa"
 # ---------------------------------------------------------------- prompts, videos, inputs
 
 
+def early_prune_layers(method, separator: str = ",") -> str:
+    """`prune_layers` early enough for R=0.1 on the tiny 12-layer backbones: layer 1 for a one-stage
+    method, layers 1, 2, 3 for one taking any number (`Method.prune_layer_count`)."""
+    return separator.join(str(layer) for layer in range(1, (method.prune_layer_count or 3) + 1))
+
+
 def chat_prompt(adapter, question="Which colour is the square?"):
     """The chat template's prompt for one video and `question`, as lmms-eval's chat tasks build it."""
     messages = [

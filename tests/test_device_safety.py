@@ -333,14 +333,16 @@ def text_inputs(model, length: int):
 
 
 @pytest.mark.parametrize("family", ["qwen25vl", "qwen3vl"])
-def test_the_in_llm_rankings_and_merge_run_on_the_llm_s_device(tiny_models, family):
+def test_the_in_llm_rankings_and_merge_run_on_the_llm_s_device(tiny_models, family, monkeypatch):
     from resadapt_eval.backbones.layer_pruning import (
         last_token_attention,
         merge_into_nearest,
+        projected_qk,
         query_attention,
         stage_input_attention,
         text_attention,
     )
+    from resadapt_eval.baselines import dart
 
     model, _ = tiny_models[family]
     with fake_cuda():
@@ -356,12 +358,20 @@ def test_the_in_llm_rankings_and_merge_run_on_the_llm_s_device(tiny_models, fami
             assert on_fake_cuda(ranking) and ranking.shape == (20,)
         kept, dropped = torch.tensor([4, 9, 12], device="cuda"), torch.tensor([5, 6, 10, 13], device="cuda")
         merged = merge_into_nearest(hidden, kept, dropped)
+        _, keys = projected_qk(layer.self_attn, hidden, 20, (cos, sin))
+        norm = fake_cuda_copy(model.model.language_model.norm)
+        visual, after = torch.arange(4, 16, device="cuda"), torch.arange(16, 20, device="cuda")
+        # DART reads its pivots' indices to the host to visit them in its reference's order, which fake
+        # tensors cannot give: visited here as found (that one sync: test_host_syncs.py, on real tensors)
+        monkeypatch.setattr(dart, "visiting_order", lambda pivots: pivots)
+        taken = dart.select(hidden, norm, dart.key_l1_norms(keys), visual, after, 9)
     assert on_fake_cuda(merged) and merged.shape == hidden.shape
+    assert on_fake_cuda(taken) and taken.shape == (12,)
 
 
 @pytest.mark.parametrize("family", ["qwen25vl", "qwen3vl"])
-@pytest.mark.parametrize("rank_by", ["last_token", "stage_input"])
-def test_a_pruning_stage_runs_through_its_layer_on_the_llm_s_device(tiny_models, family, rank_by):
+@pytest.mark.parametrize("rank_by", ["last_token", "stage_input", "duplication"])
+def test_a_pruning_stage_runs_through_its_layer_on_the_llm_s_device(tiny_models, family, rank_by, monkeypatch):
     """The prefill up to the layer after the stage: ranking in the layer before (or the stage's own
     input), the selection on the device, the pruned hidden states, rotary, positions and mask in the stage's
     layer. The next layer's hook asks whether the pruned length is above 1, a question about data."""
@@ -372,8 +382,11 @@ def test_a_pruning_stage_runs_through_its_layer_on_the_llm_s_device(tiny_models,
     class Stop(Exception):
         pass
 
+    from resadapt_eval.baselines import dart
+
     model, _ = tiny_models[family]
     entering = {}
+    monkeypatch.setattr(dart, "visiting_order", lambda pivots: pivots)  # its one read of data (above)
 
     def stop(module, args, kwargs):
         entering["hidden"] = args[0] if args else kwargs["hidden_states"]
@@ -382,7 +395,8 @@ def test_a_pruning_stage_runs_through_its_layer_on_the_llm_s_device(tiny_models,
     with fake_cuda():
         language_model = fake_cuda_copy(model.model.language_model)
         hidden, positions, _ = text_inputs(model, 20)
-        pruner = LayerPruner(language_model, [Stage(4, 5, rank_by=rank_by)], torch.arange(4, 16, device="cuda"))
+        with unset_fake_temporarily():  # built before the engine call, from the prompt's positions (host facts)
+            pruner = LayerPruner(language_model, [Stage(4, 5, rank_by=rank_by)], torch.arange(4, 16))
         language_model.layers[5].register_forward_pre_hook(stop, with_kwargs=True, prepend=True)
         with torch.no_grad(), pruner.attached(), SyncCounter(device_only=True) as syncs, pytest.raises(Stop):
             language_model(inputs_embeds=hidden, position_ids=positions, use_cache=False)

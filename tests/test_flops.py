@@ -1,6 +1,8 @@
 """Analytic FLOPs (`compute/flops.py`): equal to torch's FlopCounterMode on the tiny backbones, the
 paper's latency-table TFLOPs from the 7B config, and the compute ratios at R = 0.25."""
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 from transformers.vision_utils import get_vision_window_index
@@ -8,14 +10,15 @@ from transformers.vision_utils import get_vision_window_index
 from resadapt_eval.allocator.model import Allocator, AllocatorConfig
 from resadapt_eval.budget.policies import BudgetSpec
 from resadapt_eval.cli import main
-from resadapt_eval.compute.flops import dims_from_config, load_dims, method_flops, ranking_flops, segments
-from resadapt_eval.estimates import row_flops
+from resadapt_eval.compute.flops import dims_from_config, load_dims, method_flops, segments
+from resadapt_eval.estimates import row_flops, stage_flops
+from resadapt_eval.kinds import IN_LLM_PRUNER
 from resadapt_eval.manifest import run_summary, sample_totals
 from resadapt_eval.measure.counting import flop_counter
 from resadapt_eval.methods import BEFORE_ENCODER, METHODS, get_method
 from resadapt_eval.pipeline import VideoPipeline, VideoPipelineConfig
 
-from .helpers import video_request
+from .helpers import early_prune_layers, video_request
 
 PAPER_TFLOPS = {16: 111.4, 32: 222.5, 64: 444.6, 128: 888.9}  # latency table, Qwen2.5-VL-7B vanilla
 SOURCE_HW = (672, 896)  # a 4:3 896x672 source: 768 tokens per pair
@@ -27,7 +30,8 @@ COUNTED = [
     ("resadapt", 0.25),
     *[(name, 0.25) for name, method in METHODS.items() if method.stage != BEFORE_ENCODER and method.hf],
 ]
-PRUNE_LAYERS = {"fastv": "1", "pyramiddrop": "1,2,3"}  # early enough for R=0.25 on the 12-layer fixtures
+# every in-LLM pruner, at stage layers early enough for R=0.25 on the 12-layer fixtures
+PRUNE_LAYERS = {name: early_prune_layers(m) for name, m in METHODS.items() if m.kind is IN_LLM_PRUNER}
 
 
 @pytest.fixture(scope="module")
@@ -208,9 +212,9 @@ def test_flops_command_counts_the_allocator(capsys, tiny_allocator):
         assert float(ours["alloc_x_van"]) == pytest.approx(expected, rel=0.01) and float(fixed["alloc_x_van"]) == 0
 
 
-@pytest.mark.parametrize("method", ["fastv", "pyramiddrop"])
+@pytest.mark.parametrize("method", list(PRUNE_LAYERS))
 def test_ranking_inside_the_llm_from_configs_equals_the_counted_one(eager_adapters, fixtures_dir, method):
-    """`ranking_flops` (what `row_flops` adds for FastV / PyramidDrop) equals what a run counted."""
+    """`stage_flops` (what `row_flops` adds for an in-LLM pruner's stages) equals what a run counted."""
     adapter = eager_adapters["qwen3vl"]
     config = VideoPipelineConfig(
         method=method, max_num_frames=8, budget=BudgetSpec(retention=0.25), prune_layers=PRUNE_LAYERS[method]
@@ -218,8 +222,10 @@ def test_ranking_inside_the_llm_from_configs_equals_the_counted_one(eager_adapte
     _, record = VideoPipeline(adapter, config).run(video_request(adapter, fixtures_dir))
     text = dims_from_config(adapter.model.config).text
     prompts = [record.input_tokens - record.visual_tokens + n for n in record.layer_visual_tokens]
-    stages = [int(layer) for layer in PRUNE_LAYERS[method].split(",")]
-    assert record.method_flops == sum(ranking_flops(text, prompts[s - 1]) for s in stages)
+    plan = SimpleNamespace(prompt=prompts, visual=record.visual_tokens)
+    stages = METHODS[method].prune(12, record.visual_tokens, 0.25, [int(x) for x in PRUNE_LAYERS[method].split(",")])
+    text_tokens = record.input_tokens - record.visual_tokens
+    assert record.method_flops == sum(stage_flops(text, s, plan, text_tokens) for s in stages) > 0
 
 
 def test_evs_is_counted_as_its_cosines_and_the_tokens_vllm_keeps():

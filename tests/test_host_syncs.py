@@ -50,3 +50,21 @@ def test_the_counter_sees_the_syncs_a_gpu_would_wait_for():
         x[x > 0], int(x.argmax()), x.tolist(), torch.nonzero(x), x.cpu()
         x.topk(2), x.sort(), x.masked_fill(x > 0, 0), x[torch.tensor([1, 2])]  # none of these
     assert syncs["n"] == 5
+
+
+def test_dart_reads_its_pivots_once_whatever_the_tokens():
+    """DART's selection (`dart.select`) reads only its 8 pivots' prompt indices, to visit them in its
+    reference's order: 1 sync at any length (its reference: one per chosen token, and 2 more for the pivots)."""
+    from resadapt_eval.baselines import dart
+
+    counts = []
+    for visual in (40, 400):
+        g = torch.Generator().manual_seed(visual)
+        length = visual + 20
+        hidden, key_l1 = torch.randn(1, length, 32, generator=g), torch.rand(length, generator=g)
+        positions, after = torch.arange(10, 10 + visual), torch.arange(10 + visual, length)
+        with counting_syncs() as syncs:
+            taken = dart.select(hidden, torch.nn.RMSNorm(32), key_l1, positions, after, visual // 4)
+        assert int(taken.sum()) == visual // 4
+        counts.append(syncs["n"])
+    assert counts == [1, 1]

@@ -14,12 +14,22 @@ from resadapt_eval.baselines import fastv, pyramiddrop
 from resadapt_eval.baselines.inside_llm import Stage, layer_average, layer_counts
 from resadapt_eval.budget.plan import InfeasibleBudget, plan_from_scales
 from resadapt_eval.budget.policies import BudgetSpec
+from resadapt_eval.kinds import IN_LLM_PRUNER
 from resadapt_eval.methods import METHODS
 from resadapt_eval.pipeline import VideoPipeline, VideoPipelineConfig
 
-from .helpers import BACKBONES, attention_input, chat_prompt, first_logits_and_text, synthetic_video, video_request
+from .helpers import (
+    BACKBONES,
+    attention_input,
+    chat_prompt,
+    early_prune_layers,
+    first_logits_and_text,
+    synthetic_video,
+    video_request,
+)
 
-PRUNERS = {"fastv": "1", "pyramiddrop": "1,2,3"}  # stage layers low enough for R=0.1 on 12 layers
+# every in-LLM pruner, at stage layers low enough for R=0.1 on 12 layers
+PRUNERS = {name: early_prune_layers(m) for name, m in METHODS.items() if m.kind is IN_LLM_PRUNER}
 
 
 def test_fastv_keep_count_by_hand():
@@ -160,3 +170,25 @@ def test_pruning_inside_the_llm_is_refused_where_it_cannot_run(adapters):
         VideoPipelineConfig(method="tome", budget=BudgetSpec(retention=0.25), prune_layers="2")
     with pytest.raises(ValueError, match="comma-separated layer indices"):
         VideoPipelineConfig(method="fastv", budget=BudgetSpec(retention=0.25), prune_layers="two")
+
+
+@pytest.mark.parametrize("backbone", BACKBONES)
+def test_dart_keeps_the_same_tokens_under_sdpa_and_eager(adapters, eager_adapters, backbone):
+    """DART reads no attention weights: SDPA (no mask) and eager attention keep the same tokens, in
+    float32, and the first logits agree."""
+    kept, logits = [], []
+    for pool in (adapters, eager_adapters):
+        adapter = pool[backbone]
+        px = adapter.grid.token_px
+        plan = plan_from_scales([1.0] * 8, (4 * px, 6 * px), adapter.grid)
+        inputs = adapter.build_inputs(chat_prompt(adapter), synthetic_video(8, seed=3), plan)
+        pruned = adapter.build_pruned_inputs(inputs, METHODS["dart"].prune, 0.25, [2])
+        with pruned.pruner.attached():
+            first, _ = first_logits_and_text(adapter, inputs)
+        kept.append(pruned.pruner.kept_by_layer[2])
+        logits.append(first)
+        visual = adapter.visual_positions(inputs)
+        (stage,) = pruned.pruner.schedule
+        assert len(set(kept[-1].tolist()) & set(visual.tolist())) == stage.keep < len(visual)
+    assert torch.equal(kept[0], kept[1])
+    assert (logits[0] - logits[1]).abs().max().item() <= 1e-4

@@ -12,6 +12,7 @@ from resadapt_eval.methods import AFTER_MERGER, INSIDE_LLM, METHODS
 # import them from here
 from .helpers import (
     REPO,
+    early_prune_layers,
     free_port,
     lmms_eval_command,
     results_json,
@@ -202,7 +203,7 @@ def test_token_reducers_run_through_the_cli_at_exact_budgets(fixtures_dir, tmp_p
     model_args = dict(pretrained=fixtures_dir / backbone, retention=retention, max_num_frames=8, device="cpu")
     spec = METHODS[method]
     if spec.stage == INSIDE_LLM:  # stage layers early enough for R=0.1 on the 12-layer fixtures
-        model_args["prune_layers"] = "1" if method == "fastv" else "1;2;3"
+        model_args["prune_layers"] = early_prune_layers(spec, ";")
     proc = run_lmms_eval(f"{method}_{backbone}", model_args, tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     records = sidecar_records(tmp_path)

@@ -7,6 +7,7 @@ The CLI runs are slow (`make test-real-width`: one lmms-eval run per method and 
 all); the config checks are not."""
 
 import subprocess
+from types import SimpleNamespace
 
 import pytest
 from safetensors import safe_open
@@ -16,11 +17,10 @@ from resadapt_eval.compute.flops import (
     decode_flops,
     dims_from_config,
     load_dims,
-    ranking_flops,
     recomputed_attention,
     sample_flops,
 )
-from resadapt_eval.estimates import row_flops
+from resadapt_eval.estimates import row_flops, stage_flops
 from resadapt_eval.fixtures import REAL_WIDTH, REDUCED_DEPTH, build_tokenizer, ensure_real_width, real_width_config
 from resadapt_eval.methods import AFTER_MERGER, BEFORE_ENCODER, INSIDE_LLM, METHODS, NO_RETENTION
 
@@ -34,10 +34,12 @@ MAX_NEW_TOKENS = 3  # so that decode steps run (and are counted)
 TARGET = 0.25
 # Targets other than 0.25 on these 4-layer LLMs and 2-pair videos, and why:
 TARGETS = {
-    # FastV's default stage (layer 2; layer 3 on Qwen3-VL, after its deepstack layers) leaves the
-    # layers before it every token: a layer-averaged floor of 2/4 and 3/4
+    # FastV's and DART's default stage (layer 2; layer 3 on Qwen3-VL, after its deepstack layers)
+    # leaves the layers before it every token: a layer-averaged floor of 2/4 and 3/4
     ("qwen25vl", "fastv"): 0.6,
     ("qwen3vl", "fastv"): 0.8,
+    ("qwen25vl", "dart"): 0.6,
+    ("qwen3vl", "dart"): 0.8,
     # PyramidDrop's default stages (layers 1, 2, 3; only 3 on Qwen3-VL) keep a token each at least:
     # floors just above 1/4 and 3/4
     ("qwen25vl", "pyramiddrop"): 0.3,
@@ -218,9 +220,11 @@ def check_flops(record: dict, folder, backbone: str, method: str, target: float 
     layers = record["layer_visual_tokens"]
     prompt = record["input_tokens"] if layers is None else [text_tokens + n for n in layers]
     # the method's own work: computed from the config where the flops command can, else as counted in the run
-    if spec.stage == INSIDE_LLM:  # the last token's attention row, in the layer before each stage
-        stages = [i for i in range(1, len(layers)) if layers[i] != layers[i - 1]]
-        compressor = sum(ranking_flops(dims.text, prompt[i - 1]) for i in stages)
+    if spec.stage == INSIDE_LLM:  # each stage's ranking (`stage_flops`), in the layer before it
+        stages = spec.prune(dims.text.layers, record["visual_tokens"], target, None, dims.vision.deepstack)
+        assert [s.layer for s in stages] == [i for i in range(1, len(layers)) if layers[i] != layers[i - 1]]
+        plan = SimpleNamespace(prompt=prompt, visual=record["visual_tokens"])
+        compressor = sum(stage_flops(dims.text, s, plan, text_tokens) for s in stages)
     elif spec.stage == AFTER_MERGER and method not in ROW_METHODS:  # depends on the features
         compressor = record["method_flops"] - (recomputed_attention(dims.vision, grids) if spec.needs_attention else 0)
         assert compressor >= 0  # VidCom2's: 0 (elementwise distances, no matmul)

@@ -25,13 +25,14 @@ from contextlib import contextmanager
 import torch
 import torch.nn.functional as F
 
-from ..baselines.inside_llm import BLOCK_ROWS, STAGE_INPUT, TEXT_AFTER_VISUAL, Stage, layer_counts
+from ..baselines import dart
+from ..baselines.inside_llm import BLOCK_ROWS, DUPLICATION, STAGE_INPUT, TEXT_AFTER_VISUAL, Stage, layer_counts
 from ..measure.clock import Spans, Stopwatch
 from ..measure.counting import counted_flops
 
 
 def projected_qk(attention: torch.nn.Module, hidden: torch.Tensor, first_query: int, rotary=None, norm=None):
-    """(1, heads, Q, d) queries of the last Q = L - first_query of L tokens and (1, kv_heads, L, d)
+    """(1, heads, Q, d) queries of the last Q = L - first_query of L tokens (None for Q = 0) and (1, kv_heads, L, d)
     keys of all L, as `attention` (a Qwen2.5-VL / Qwen3-VL text attention module) forms them from its
     input, `hidden` (1, L, H) or, when given, `norm(hidden)` (`norm`: the decoder layer's
     input_layernorm): only those query rows are projected, the key heads are not repeated
@@ -51,10 +52,13 @@ def projected_qk(attention: torch.nn.Module, hidden: torch.Tensor, first_query: 
         x = project(x).view(1, x.shape[1], -1, d)
         return x if head_norm is None else head_norm(x)  # Qwen3-VL's q_norm / k_norm, before the rotary
 
-    q = heads(slice(first_query, length), attention.q_proj, getattr(attention, "q_norm", None)).transpose(1, 2)
+    q = None  # first_query == length: the keys alone
+    if first_query < length:
+        q = heads(slice(first_query, length), attention.q_proj, getattr(attention, "q_norm", None)).transpose(1, 2)
     if rotary is not None:
         cos, sin = rotary
-        q, _ = apply(q, q[:, :0], cos[:, first_query:], sin[:, first_query:])  # (the empty slice: no work)
+        if q is not None:
+            q, _ = apply(q, q[:, :0], cos[:, first_query:], sin[:, first_query:])  # (the empty slice: no work)
     keys, blocks = None, -(-length // BLOCK_ROWS)  # equal blocks: a short last one could change the matmul's path
     for i in range(blocks):
         rows = slice(i * length // blocks, (i + 1) * length // blocks)
@@ -169,8 +173,8 @@ class LayerPruner:
     prefill (`in_prefill`). Its index bookkeeping runs on the hidden states' device from the first
     stage on (the visual and text positions copied there once): the ranking, the pick and every later
     layer's cut of the rotary, positions and mask read device indices, so a prefill makes no host
-    sync (the text after the video, which PruneVid ranks by, is never pruned: its length is known on
-    the host)."""
+    sync (the text after the video, which PruneVid and DART read, is never pruned: its length is known
+    on the host), but one for a DART stage (its 8 pivots' indices, `dart.select`)."""
 
     in_prefill = True
 
@@ -178,9 +182,11 @@ class LayerPruner:
         self, language_model, stages: list[Stage], visual_positions: torch.Tensor, stopwatch: Stopwatch | None = None
     ):
         self.layers = language_model.layers
+        self.language_model = language_model
         self.schedule = list(stages)
         self.stages = {s.layer: s for s in stages}
         self.visual = visual_positions.cpu()  # host-side facts: the last visual position, the text positions
+        self.first_after_visual = int(self.visual[-1]) + 1  # prompt index
         self.layer_tokens = layer_counts(stages, len(self.layers), len(self.visual))
         self.flops = 0
         self.work = Spans(stopwatch or Stopwatch("cpu"))
@@ -221,9 +227,10 @@ class LayerPruner:
             with self.work.timed():  # prefill: rank by the attention the stage asks for
                 cos, sin = kwargs["position_embeddings"]
                 if stage.rank_by == TEXT_AFTER_VISUAL:  # the text after the video: never pruned
-                    prompt_length = hidden.shape[1] if self.kept is None else self.prompt_length
-                    after = hidden.shape[1] - (prompt_length - 1 - int(self.visual[-1]))  # positions ascend
-                    self.scores, flops = counted_flops(text_attention, module, hidden, cos, sin, after)
+                    self.scores, flops = counted_flops(text_attention, module, hidden, cos, sin, self._after(hidden))
+                elif stage.rank_by == DUPLICATION:  # this layer's keys; the stage layer's input picks the tokens
+                    (_, keys), flops = counted_flops(projected_qk, module, hidden, hidden.shape[1], (cos, sin))
+                    self.key_l1 = dart.key_l1_norms(keys)
                 else:
                     self.scores, flops = counted_flops(last_token_attention, module, hidden, cos, sin)
                 self.flops += flops
@@ -242,6 +249,8 @@ class LayerPruner:
                             rotary = tuple(t[:, self.kept] for t in rotary)
                         self.scores, flops = counted_flops(stage_input_attention, module, hidden, *rotary)
                         self.flops += flops
+                    elif self.stages[index].rank_by == DUPLICATION:
+                        self.scores = self._duplication_scores(hidden, self.stages[index].keep)
                     hidden = self._prune(hidden, self.stages[index])
             if prefill and self.kept is not None:
                 self.kept_by_layer[index] = self.kept
@@ -264,6 +273,27 @@ class LayerPruner:
             return args, kwargs
 
         return hook
+
+    def _after(self, hidden: torch.Tensor) -> int:
+        """Index in the current sequence of the first token after the last visual one (the text after
+        the video, never pruned: its length is known on the host)."""
+        prompt_length = hidden.shape[1] if self.kept is None else self.prompt_length
+        return hidden.shape[1] - (prompt_length - self.first_after_visual)
+
+    def _duplication_scores(self, hidden: torch.Tensor, keep: int) -> torch.Tensor:
+        """(L,) 1 for the visual tokens DART keeps, else 0 (`dart.select` on the states entering the
+        stage layer and the keys' L1 norms of the layer before)."""
+        device = hidden.device
+        if self.kept is None:
+            visual = self.visual.to(device)
+        else:
+            visual = torch.searchsorted(self.kept, self.visual_kept)
+        after = torch.arange(self._after(hidden), hidden.shape[1], device=device)
+        taken, flops = counted_flops(dart.select, hidden, self.language_model.norm, self.key_l1, visual, after, keep)
+        self.flops += flops
+        scores = torch.zeros(hidden.shape[1], device=device)
+        scores[visual] = taken.to(scores.dtype)
+        return scores
 
     def _prune(self, hidden: torch.Tensor, stage: Stage) -> torch.Tensor:
         """Keep the `stage.keep` visual tokens of the current sequence with the highest scores, in

@@ -24,9 +24,7 @@ Deviations from the reference:
 
 from __future__ import annotations
 
-import math
-
-from .inside_llm import Stage, check_layers, infeasible
+from .inside_llm import LAST_TOKEN, Stage, one_stage
 
 DEFAULT_LAYER = 2  # K
 
@@ -36,9 +34,4 @@ def stages(
 ) -> list[Stage]:
     """One stage at K (`layers`, default max(2, first_layer)) keeping the most tokens whose
     layer-averaged retention is not above `retention`."""
-    (k_layer,) = layers or [max(DEFAULT_LAYER, first_layer)]
-    check_layers([k_layer], num_layers, first_layer)
-    keep = min(visual, math.floor((retention * num_layers - k_layer) * visual / (num_layers - k_layer) + 1e-9))
-    if keep < 1:
-        raise infeasible(retention, [Stage(k_layer, 1)], num_layers, visual, f"FastV pruning after layer {k_layer}")
-    return [Stage(k_layer, keep)]
+    return one_stage(num_layers, visual, retention, layers, first_layer, DEFAULT_LAYER, LAST_TOKEN, "FastV")

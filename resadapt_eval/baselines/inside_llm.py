@@ -16,7 +16,10 @@ top `keep` stay, in their original order (ties: the earlier token first):
   PruneVid's reference ranks by (`attn_weights_wo_pos`, Visual-AI/PruneVid@b12600c
   models/pllava/llama.py:445-449, :514): q k^T / sqrt(head_dim) of that layer's q/k projections with
   no rotary and no causal mask, softmax over every key in float32 cast back to the model's dtype, max
-  over those tokens and heads in that dtype (elastic_cache.py:125, :163).
+  over those tokens and heads in that dtype (elastic_cache.py:125, :163);
+- `DUPLICATION`: no attention: the pivots are the visual and text tokens of largest key L1 norm in the
+  layer before the stage, and the kept tokens those least cosine-similar to them on the hidden states
+  entering the stage through the LLM's final norm (DART, `baselines/dart.py`).
 
 Retention (one rule for every method, see docs/budget.md): R is the layer-averaged share of visual
 tokens, sum over layers of the visual tokens in that layer / (layers x N); the schedules solve
@@ -28,6 +31,7 @@ every token), and its compressor keeps the most tokens that leave the layer aver
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from ..budget.plan import InfeasibleBudget
@@ -38,6 +42,7 @@ STAGE_INPUT = "stage_input"  # the same row from the stage layer's own norm and 
 # at most this many tokens' keys or similarity rows a stage forms at a time (`backbones.layer_pruning`)
 BLOCK_ROWS = 4096
 TEXT_AFTER_VISUAL = "text_after_visual"  # text after the video, no rotary nor mask, max over them and heads (PruneVid)
+DUPLICATION = "duplication"  # least similar to the pivots of largest key L1 norm, before the stage layer (DART)
 
 
 @dataclass(frozen=True)
@@ -94,6 +99,27 @@ def scaled_layer(paper_layer: int, paper_layers: int, num_layers: int, first_lay
     """A stage the paper puts at layer `paper_layer` of a `paper_layers`-layer LLM, at the same
     relative depth of this `num_layers`-layer LLM, not before `first_layer` (nor layer 1)."""
     return min(num_layers - 1, max(first_layer, 1, round(paper_layer * num_layers / paper_layers)))
+
+
+def one_stage(
+    num_layers: int,
+    visual: int,
+    retention: float,
+    layers: list[int] | None,
+    first_layer: int,
+    default_layer: int,
+    rank_by: str,
+    what: str,
+) -> list[Stage]:
+    """One stage at K (`layers`, default max(`default_layer`, first_layer)) keeping the most tokens
+    whose layer average is not above `retention`: the K first layers see all N, the rest
+    k = floor((R L - K) N / (L - K)) (FastV, DART)."""
+    (k_layer,) = layers or [max(default_layer, first_layer)]
+    check_layers([k_layer], num_layers, first_layer)
+    keep = min(visual, math.floor((retention * num_layers - k_layer) * visual / (num_layers - k_layer) + 1e-9))
+    if keep < 1:
+        raise infeasible(retention, [Stage(k_layer, 1)], num_layers, visual, f"{what} pruning after layer {k_layer}")
+    return [Stage(k_layer, keep, rank_by)]
 
 
 def infeasible(retention: float, stages: list[Stage], num_layers: int, visual: int, what: str) -> InfeasibleBudget:

@@ -39,8 +39,9 @@ tensor and the kernels' own workspaces are left out):
   captured input and rotary tables, qkv, the rotary's float32 q / k, per segment float32 q / k and
   two heads x L_s^2 float32 score matrices). Inside the LLM (`stage_bytes`): a stage's ranking row
   (the keys of every token, not repeated to n_h heads, float32 scores; PruneVid's rows of every text
-  token; PyramidDrop's normed input), HoliTom's merge (float32 unit rows of the kept and dropped
-  tokens and their similarity, a block of dropped tokens at a time), the kept tokens' copy. The
+  token; PyramidDrop's normed input; DART's keys, pivot similarities and a block of normed rows),
+  HoliTom's merge (float32 unit rows of the kept and dropped tokens and their similarity, a block of
+  dropped tokens at a time), the kept tokens' copy. The
   Allocator of method=resadapt: its parameters and buffers as loaded (float32; its activations,
   frames at its encoder's small input size, are not counted).
 
@@ -53,7 +54,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..baselines.inside_llm import BLOCK_ROWS, STAGE_INPUT, TEXT_AFTER_VISUAL
+from ..baselines import dart
+from ..baselines.inside_llm import BLOCK_ROWS, DUPLICATION, STAGE_INPUT, TEXT_AFTER_VISUAL
 from .flops import BackboneDims, RowPlan, TextDims, VisionDims, block_segments, per_layer
 
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
@@ -187,6 +189,8 @@ def stage_bytes(x: TextDims, stage, tokens: int, visual: int, text: int, dtype: 
     merge (float32 unit rows of the kept tokens, then per block of at most `BLOCK_ROWS` dropped
     tokens their float32 unit rows and similarity to the kept; the merged copy) and the kept copy."""
     b, block = dtype_bytes(dtype), min(tokens, BLOCK_ROWS)
+    if stage.rank_by == DUPLICATION:
+        return duplication_bytes(x, stage, tokens, visual, b)
     rows = text if stage.rank_by == TEXT_AFTER_VISUAL else 1
     total = (tokens + 2 * block) * x.kv_heads * x.head_dim * b
     total += 3 * x.heads * rows * tokens * F32
@@ -196,6 +200,19 @@ def stage_bytes(x: TextDims, stage, tokens: int, visual: int, text: int, dtype: 
         dropped = min(visual - stage.keep, BLOCK_ROWS)
         total += 2 * (dropped + stage.keep) * x.hidden * F32 + dropped * stage.keep * F32 + tokens * x.hidden * b
     return total + (tokens - visual + stage.keep) * x.hidden * b
+
+
+def duplication_bytes(x: TextDims, stage, tokens: int, visual: int, b: int) -> int:
+    """DART's stage over `tokens` tokens (`visual` visual): the layer before's keys as a ranking forms
+    them (a block at a time) and their L1 norms; the pivots' normed rows; per block of at most
+    `BLOCK_ROWS` visual rows their gathered and normed copies (two float32 B x H tensors inside
+    RMSNorm) and float32 norms; the (N, pivots) float32 similarity and one negated column; the
+    scores and the kept copy."""
+    block, pivots = min(visual, BLOCK_ROWS), dart.PIVOT_IMAGE + dart.PIVOT_TEXT
+    keys = (tokens + 2 * min(tokens, BLOCK_ROWS)) * x.kv_heads * x.head_dim * b + tokens * b
+    similarity = 2 * visual * pivots * F32 + visual * F32 + pivots * x.hidden * b
+    rows = 2 * block * x.hidden * b + 2 * block * x.hidden * F32
+    return keys + similarity + rows + tokens * F32 + (tokens - visual + stage.keep) * x.hidden * b
 
 
 # ---------------------------------------------------------------------- one sample
