@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from .baselines.common import kept_count
+from .baselines.framefusion import total_budget
 from .baselines.inside_llm import entering_tokens, layer_counts
 from .budget import policies
 from .budget.plan import InfeasibleBudget, ResizePlan, pair_frames
@@ -56,7 +57,7 @@ IN_ENGINE = "in_engine"  # the serving engine drops merged tokens before the LLM
 STAGES = (BEFORE_ENCODER, AFTER_MERGER, INSIDE_LLM, IN_ENGINE)
 
 # A method's algorithm slots (`methods.Method` fields); each kind says which it fills.
-SLOTS = ("policy", "compressor", "prune", "decode_prune", "engine_pruning")
+SLOTS = ("policy", "compressor", "prune", "adaptive_prune", "decode_prune", "engine_pruning")
 
 FLOOR_PROBE_TOKENS = 10**7  # visual tokens: more than any request gives (`InLLMPruner.check_llm`)
 
@@ -216,6 +217,11 @@ class MethodKind:
     def engine_args(self, spec: RunSpec) -> dict:
         """`VLLMBackbone` arguments this kind needs (its own video pruning): none."""
         return {}
+
+    def settle(self, spec: RunSpec, budget: TokenBudget, layers: list[int]) -> TokenBudget:
+        """The sample's budget after the engine ran, from the visual tokens its decoder layers held
+        (`layers`): the planned one, which the pipeline then holds the engine's counts to."""
+        return budget
 
     # ------------------------------------------------------------------ compute
     def own_flops(self, method: Method, dims: BackboneDims, grids, retention: float | None, counted: int | None) -> int:
@@ -421,6 +427,66 @@ class InLLMPruner(InModel):
         return ModelInputs(backbone.pruned_inputs(inputs, budget.stages))
 
 
+class AdaptiveInLLMPruner(InLLMPruner):
+    """Reduces visual tokens between decoder layers layer by layer, from the hidden states
+    (`backbones/layer_pruning.FusionPruner`; FrameFusion): every visual token of the plan enters the
+    LLM, and the per-layer counts follow from the video, within floor(R L N) visual token-layers. The
+    plan counts them as on a video with no similar neighbours (the config-only rows); the sample's
+    budget takes the counts its layers held (`settle`)."""
+
+    name = "adaptive in-LLM pruner"
+    slots = ("adaptive_prune",)
+
+    def check_llm(self, spec, dims) -> None:
+        """Nothing beyond `retention_floor`: the method takes no `prune_layers`."""
+
+    def retention_floor(self, spec, planner, dims) -> RetentionFloor | None:
+        """Every token up to the first merging layer f (after Qwen3-VL's deepstack layers); there a
+        frame pair's P tokens at least (a token merges only into its patch's previous one), then one
+        token a layer: (f N + P + L - f - 1) / (L N), lowest for the most tokens a video has,
+        max_num_frames of the largest vanilla pairs (None where the LLM's depth is unknown)."""
+        if dims is None:
+            return None
+        largest, _ = planner.largest_pairs()
+        pair = largest.visual_tokens
+        visual = len(pair_frames(spec.frames_to_decode, planner.grid.temporal_patch)) * pair
+        layers, first = dims.text.layers, dims.vision.deepstack
+        before = (
+            f"keeps every visual token in its first {first} layer{'s' if first > 1 else ''}, then "
+            if first
+            else "keeps "
+        )
+        return RetentionFloor(
+            (first * visual + pair + layers - first - 1) / (layers * visual),
+            before + "a frame pair's tokens in its first merging layer (a token merges only into the token at its "
+            "position in the pair before), then at least 1 in each layer",
+            f"{visual} tokens at most, in pairs of {pair} (max_num_frames={spec.frames_to_decode} at "
+            f"{planner.limits_text()}), over {layers} layers",
+        )
+
+    def token_budget(self, spec, plans, reference, dims) -> TokenBudget:
+        (plan,) = plans
+        layers = spec.method.adaptive_prune.typical_layers(
+            dims.text.layers, plan.visual_tokens, spec.retention, dims.vision.deepstack, max(plan.pair_tokens)
+        )
+        return TokenBudget(reference, plan.visual_tokens, tuple(layers))
+
+    def build(self, spec, backbone, request, video, plan, pairs, budget) -> ModelInputs:
+        inputs = backbone.build_inputs(request.prompt, video, plan, pairs)
+        allowed = total_budget(spec.retention, len(budget.layers), budget.reference)
+        return ModelInputs(backbone.fusion_inputs(inputs, allowed))
+
+    def settle(self, spec, budget, layers) -> TokenBudget:
+        """The counts the layers held, once they are within floor(R L N) over the planned depth."""
+        allowed = total_budget(spec.retention, len(budget.layers), budget.reference)
+        if len(layers) != len(budget.layers) or sum(layers) > allowed or layers[0] > budget.entering:
+            raise RuntimeError(
+                f"the engine's layers held {list(layers)} visual tokens, more than the {allowed} token-layers of "
+                f"R={spec.retention} over {len(budget.layers)} layers"
+            )
+        return dataclasses.replace(budget, layers=tuple(layers))
+
+
 class Compressor(InModel):
     """Encodes the vanilla plan, then compresses its merged tokens before the LLM to floor(R N)
     (`baselines/<name>.compress`, run through `counting.CountedCall` so its work is counted)."""
@@ -558,6 +624,7 @@ class DecodePruner(Compressor):
 RESIZE_POLICY = ResizePolicy()
 COMPRESSOR = Compressor()
 IN_LLM_PRUNER = InLLMPruner()
+ADAPTIVE_IN_LLM_PRUNER = AdaptiveInLLMPruner()
 COMPRESSOR_THEN_PRUNER = CompressorThenPruner()
 DECODE_PRUNER = DecodePruner()
 ENGINE_PRUNER = EnginePruner()
@@ -566,6 +633,7 @@ KINDS = (
     RESIZE_POLICY,
     COMPRESSOR,
     IN_LLM_PRUNER,
+    ADAPTIVE_IN_LLM_PRUNER,
     COMPRESSOR_THEN_PRUNER,
     DECODE_PRUNER,
     ENGINE_PRUNER,

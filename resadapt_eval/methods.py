@@ -27,6 +27,7 @@ from .baselines import (
     fastv,
     fastvid,
     flashvid,
+    framefusion,
     gprune,
     holitom,
     pooling,
@@ -41,8 +42,10 @@ from .baselines import (
     vispruner,
 )
 from .baselines.common import TokenCompressor
+from .baselines.inside_llm import AdaptiveSchedule
 from .budget import policies
 from .kinds import (
+    ADAPTIVE_IN_LLM_PRUNER,
     AFTER_MERGER,
     BEFORE_ENCODER,
     COMPRESSOR,
@@ -95,7 +98,8 @@ class Method:
     compressor: a `baselines.common.TokenCompressor`, its `compress` `(VisualTokens, keep, seed) ->
     Compression` with what it reads (attention, the question), holds and costs; prune: `(num_layers, visual, retention,
     layers, first_layer) -> [Stage]`, an in-LLM schedule (`baselines/inside_llm.py`: retention is
-    layer-averaged; after a compressor, its own share of the tokens that entered); decode_prune:
+    layer-averaged; after a compressor, its own share of the tokens that entered); adaptive_prune: an
+    `inside_llm.AdaptiveSchedule`, an in-LLM method whose counts follow from the hidden states; decode_prune:
     `(num_layers, visual, retention, first_layer) -> DecodeStage` (`baselines/inside_llm.py`, run
     by `backbones/decode_pruning.py`);
     engine_pruning: vLLM's `video_pruning_method`, run at `video_pruning_rate` = `pruning_rate(R)`.
@@ -113,6 +117,7 @@ class Method:
     policy: Callable | None = None
     compressor: TokenCompressor | None = None
     prune: Callable | None = None
+    adaptive_prune: AdaptiveSchedule | None = None
     decode_prune: Callable | None = None
     engine_pruning: str | None = None
     needs_allocator: bool = False
@@ -270,6 +275,16 @@ register(_compressor("vcast", "V-CAST", "VCAST", vcast))
 register(_pruner("fastv", "FastV", "FastV", fastv))
 register(_pruner("pyramiddrop", "PyramidDrop", "PyramidDrop", pyramiddrop, prune_layer_count=None))
 register(_pruner("dart", "DART", "DART", dart))
+register(
+    Method(
+        "framefusion",
+        "FrameFusion",
+        "FrameFusion",
+        ADAPTIVE_IN_LLM_PRUNER,
+        REQUIRED_RETENTION,
+        adaptive_prune=framefusion.SCHEDULE,
+    )
+)
 register(Method("evs", "EVS", "EVS", ENGINE_PRUNER, REQUIRED_RETENTION, engine_pruning="evs"))
 register(
     Method(

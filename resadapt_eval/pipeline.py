@@ -315,17 +315,19 @@ class VideoPipeline:
             counted = answer.prompt_ids.count(self.layout.placeholder_id(requests[i].video is None))
             out[i] = Generated(answer.text, tuple(answer.prompt_ids), counted, answer.output_tokens, share, answer)
             budget, layers = budgets[i], answer.layer_visual_tokens
-            exc = None
-            if counted != budget.entering:
-                exc = RuntimeError(
-                    f"the engine's prompt holds {counted} visual placeholders, the plan counts {budget.entering}"
-                )
-            elif layers is not None and tuple(layers) != budget.layers:
-                exc = RuntimeError(
-                    f"the engine's layers held {list(layers)} visual tokens, the plan counts {budget.layers}"
-                )
-            if exc is not None:
+            try:
+                if layers is not None:  # a budget whose counts follow from the run takes them here
+                    budget = budgets[i] = self.spec.kind.settle(self.spec, budget, layers)
+                if counted != budget.entering:
+                    raise RuntimeError(
+                        f"the engine's prompt holds {counted} visual placeholders, the plan counts {budget.entering}"
+                    )
+                if layers is not None and tuple(layers) != budget.layers:
+                    raise RuntimeError(
+                        f"the engine's layers held {list(layers)} visual tokens, the plan counts {budget.layers}"
+                    )
+            except RuntimeError as exc:
                 if self.spec.strict:
-                    raise exc
+                    raise
                 failed[i] = exc
         return out

@@ -406,6 +406,47 @@ def test_a_pruning_stage_runs_through_its_layer_on_the_llm_s_device(tiny_models,
 
 
 @pytest.mark.parametrize("family", ["qwen25vl", "qwen3vl"])
+def test_framefusion_merges_ranks_and_prunes_on_the_llm_s_device(tiny_models, family, monkeypatch):
+    """FrameFusion's prefill through its merging layer (similarity, run averaging, the cut), the ranking
+    layer after it and the pruning layer's input. Its merge count sets the sequence length, a read of
+    data (one sync a merging layer): here the decision marks every third token of the later pairs."""
+    from resadapt_eval.backbones.layer_pruning import FusionPruner
+    from resadapt_eval.baselines import framefusion
+    from resadapt_eval.measure.syncs import SyncCounter
+
+    class Stop(Exception):
+        pass
+
+    def decision(similarity, budget, layers, patches):  # 4 of the 12 visual tokens merge; merging ends
+        merged = torch.zeros(len(similarity), dtype=torch.bool, device=similarity.device)
+        merged[torch.tensor([4, 7, 10, 11], device=similarity.device)] = True
+        return merged, 4, True, False
+
+    monkeypatch.setattr(framefusion, "merge_decision", decision)
+    model, _ = tiny_models[family]
+    first = len(getattr(model.config.vision_config, "deepstack_visual_indexes", None) or ())
+    entering = {}
+
+    def stop(module, args, kwargs):
+        entering["hidden"] = args[0] if args else kwargs["hidden_states"]
+        raise Stop
+
+    with fake_cuda():
+        language_model = fake_cuda_copy(model.model.language_model)
+        hidden, positions, _ = text_inputs(model, 20)
+        with unset_fake_temporarily():  # built before the engine call, from the prompt (host facts)
+            patches = torch.arange(4).repeat(3)  # 3 pairs of 4 tokens
+            pruner = FusionPruner(language_model, torch.arange(4, 16), patches, 20 * 12, first)
+        language_model.layers[first + 2].register_forward_pre_hook(stop, with_kwargs=True, prepend=True)
+        with torch.no_grad(), pruner.attached(), SyncCounter(device_only=True) as syncs, pytest.raises(Stop):
+            language_model(inputs_embeds=hidden, position_ids=positions, use_cache=False)
+    assert on_fake_cuda(entering["hidden"])
+    assert syncs.count == 0
+    assert pruner.layer_tokens == [12] * first + [8, pruner.layer_tokens[-1]] and pruner.phase == "done"
+    assert pruner.kept.device == CUDA
+
+
+@pytest.mark.parametrize("family", ["qwen25vl", "qwen3vl"])
 def test_a_decoding_step_selects_the_visual_keys_on_the_llm_s_device(tiny_models, family):
     """DyCoke's decoding stage: the prefill, then the first decoding step (ranking in the layer before
     the stage, the CPU selection moved to the cache's device once, the selecting cache and the cut mask

@@ -11,6 +11,7 @@ from resadapt_eval.backbones.layer_pruning import LayerPruner, last_token_attent
 from resadapt_eval.backbones.layout import VIDEO_TOKEN_TYPE
 from resadapt_eval.backbones.qwen import PrunedInputs
 from resadapt_eval.baselines import fastv, pyramiddrop
+from resadapt_eval.baselines.framefusion import total_budget
 from resadapt_eval.baselines.inside_llm import Stage, layer_average, layer_counts
 from resadapt_eval.budget.plan import InfeasibleBudget, plan_from_scales
 from resadapt_eval.budget.policies import BudgetSpec
@@ -192,3 +193,20 @@ def test_dart_keeps_the_same_tokens_under_sdpa_and_eager(adapters, eager_adapter
         assert len(set(kept[-1].tolist()) & set(visual.tolist())) == stage.keep < len(visual)
     assert torch.equal(kept[0], kept[1])
     assert (logits[0] - logits[1]).abs().max().item() <= 1e-4
+
+
+@pytest.mark.parametrize("backbone", BACKBONES)
+def test_at_r_1_framefusion_equals_vanilla(adapters, backbone):
+    """At R = 1 every token fits the budget: FrameFusion's first merging layer merges none and ends."""
+    adapter = adapters[backbone]
+    px = adapter.grid.token_px
+    plan = plan_from_scales([1.0] * 8, (4 * px, 6 * px), adapter.grid)
+    inputs = adapter.build_inputs(chat_prompt(adapter), synthetic_video(8), plan)
+    visual = len(adapter.visual_positions(inputs))
+    pruned = adapter.fusion_inputs(inputs, total_budget(1.0, adapter.num_text_layers, visual))
+    with pruned.pruner.attached():
+        ours, ours_tokens = first_logits_and_text(adapter, inputs)
+    vanilla, vanilla_tokens = first_logits_and_text(adapter, inputs)
+    assert pruned.pruner.layer_tokens == [visual] * adapter.num_text_layers
+    assert (ours - vanilla).abs().max().item() <= 1e-5
+    assert torch.equal(ours_tokens, vanilla_tokens)

@@ -200,9 +200,12 @@ def reducer_runs():
 @pytest.mark.parametrize("method,backbone,retention", list(reducer_runs()))
 def test_token_reducers_run_through_the_cli_at_exact_budgets(fixtures_dir, tmp_path, method, backbone, retention):
     # The fixed-method names (e.g. tome_qwen3vl) share the default prompt with every other method.
-    model_args = dict(pretrained=fixtures_dir / backbone, retention=retention, max_num_frames=8, device="cpu")
     spec = METHODS[method]
-    if spec.stage == INSIDE_LLM:  # stage layers early enough for R=0.1 on the 12-layer fixtures
+    # FrameFusion keeps a frame pair's tokens in its first merging layer: after the tiny Qwen3-VL's
+    # first layer (its deepstack layer) 8 frames cannot reach R=0.1 (floor 0.1045), 16 can
+    frames = 16 if spec.adaptive_prune is not None else 8
+    model_args = dict(pretrained=fixtures_dir / backbone, retention=retention, max_num_frames=frames, device="cpu")
+    if spec.stage == INSIDE_LLM and spec.prune is not None:  # stages early enough for R=0.1 on 12 layers
         model_args["prune_layers"] = early_prune_layers(spec, ";")
     proc = run_lmms_eval(f"{method}_{backbone}", model_args, tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -212,7 +215,8 @@ def test_token_reducers_run_through_the_cli_at_exact_budgets(fixtures_dir, tmp_p
         assert r["error"] is None and r["method"] == method
         assert retention - 0.01 <= r["achieved_retention"] <= retention
         if spec.stage == INSIDE_LLM:  # every visual token enters the LLM; R is their layer average
-            assert r["visual_tokens"] == r["reference_tokens"] == r["layer_visual_tokens"][0]
+            assert r["visual_tokens"] == r["reference_tokens"] >= r["layer_visual_tokens"][0]
+            assert r["achieved_retention"] == sum(r["layer_visual_tokens"]) / 12 / r["reference_tokens"]
         elif spec.prune is not None:  # the compressor's tokens enter, then the method's own stage inside
             assert r["visual_tokens"] == len(r["merged_sizes"]) == r["layer_visual_tokens"][0]
             assert min(r["layer_visual_tokens"]) < r["visual_tokens"] < r["reference_tokens"]

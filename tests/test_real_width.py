@@ -40,6 +40,9 @@ TARGETS = {
     ("qwen3vl", "fastv"): 0.8,
     ("qwen25vl", "dart"): 0.6,
     ("qwen3vl", "dart"): 0.8,
+    # FrameFusion merges from layer 3 on Qwen3-VL (after its deepstack layers) and keeps a frame pair
+    # there: a floor of (3 N + N / 2) / 4 N = 0.875 on 2 pairs
+    ("qwen3vl", "framefusion"): 0.9,
     # PyramidDrop's default stages (layers 1, 2, 3; only 3 on Qwen3-VL) keep a token each at least:
     # floors just above 1/4 and 3/4
     ("qwen25vl", "pyramiddrop"): 0.3,
@@ -56,7 +59,10 @@ TARGETS = {
 ROW_METHODS = [
     name
     for name, m in METHODS.items()
-    if m.prune is None and m.decode_prune is None and (m.compressor is None or m.compressor.config_flops is not None)
+    if m.prune is None
+    and m.adaptive_prune is None  # its layers' counts follow from the hidden states
+    and m.decode_prune is None
+    and (m.compressor is None or m.compressor.config_flops is not None)
 ] + [name for name, m in METHODS.items() if m.compressor is None and m.prune is not None]
 TWO_STAGE = [name for name, m in METHODS.items() if m.compress is not None and m.prune is not None]
 
@@ -220,7 +226,9 @@ def check_flops(record: dict, folder, backbone: str, method: str, target: float 
     layers = record["layer_visual_tokens"]
     prompt = record["input_tokens"] if layers is None else [text_tokens + n for n in layers]
     # the method's own work: computed from the config where the flops command can, else as counted in the run
-    if spec.stage == INSIDE_LLM:  # each stage's ranking (`stage_flops`), in the layer before it
+    if spec.adaptive_prune is not None:  # its merges and ranking follow from the hidden states: as counted
+        compressor = record["method_flops"]
+    elif spec.stage == INSIDE_LLM:  # each stage's ranking (`stage_flops`), in the layer before it
         stages = spec.prune(dims.text.layers, record["visual_tokens"], target, None, dims.vision.deepstack)
         assert [s.layer for s in stages] == [i for i in range(1, len(layers)) if layers[i] != layers[i - 1]]
         plan = SimpleNamespace(prompt=prompt, visual=record["visual_tokens"])

@@ -151,8 +151,9 @@ def test_a_retention_below_every_videos_floor_stops_the_pipeline_at_start(config
             with pytest.raises(ValueError, match=message):
                 build(spec, backbone, config)
             continue
-        if retention >= floor.value:  # PruneVid at 0.001: four pairs of 768 tokens reach it (below)
-            assert (method, retention) == ("prunevid", 0.001)
+        if retention >= floor.value:  # PruneVid at 0.001: four pairs of 768 tokens reach it (below);
+            # FrameFusion on Qwen2.5-VL: one token in each layer of the largest video is below 0.001
+            assert (method, retention) in {("prunevid", 0.001), ("framefusion", 0.001)}
             build(spec, backbone, config)
             continue
         with pytest.raises(ValueError) as refused:

@@ -25,8 +25,9 @@ from contextlib import contextmanager
 import torch
 import torch.nn.functional as F
 
-from ..baselines import dart
+from ..baselines import dart, framefusion
 from ..baselines.inside_llm import BLOCK_ROWS, DUPLICATION, STAGE_INPUT, TEXT_AFTER_VISUAL, Stage, layer_counts
+from ..budget.plan import InfeasibleBudget
 from ..measure.clock import Spans, Stopwatch
 from ..measure.counting import counted_flops
 
@@ -208,11 +209,7 @@ class LayerPruner:
             layer.register_forward_pre_hook(self._layer_input(i), with_kwargs=True)
             for i, layer in enumerate(self.layers)
         ]
-        handles += [
-            self.layers[s.layer - 1].self_attn.register_forward_pre_hook(self._ranker(s), with_kwargs=True)
-            for s in self.schedule
-            if s.rank_by != STAGE_INPUT  # ranked in the stage layer's own input hook
-        ]
+        handles += self._ranking_hooks()
         try:
             yield self
         finally:
@@ -241,17 +238,8 @@ class LayerPruner:
         def hook(module, args, kwargs):
             hidden = args[0] if args else kwargs["hidden_states"]
             prefill = hidden.shape[1] > 1
-            if prefill and index in self.stages:
-                with self.work.timed():
-                    if self.stages[index].rank_by == STAGE_INPUT:
-                        rotary = kwargs["position_embeddings"]
-                        if self.kept is not None:  # the tokens entering this layer, at their own positions
-                            rotary = tuple(t[:, self.kept] for t in rotary)
-                        self.scores, flops = counted_flops(stage_input_attention, module, hidden, *rotary)
-                        self.flops += flops
-                    elif self.stages[index].rank_by == DUPLICATION:
-                        self.scores = self._duplication_scores(hidden, self.stages[index].keep)
-                    hidden = self._prune(hidden, self.stages[index])
+            if prefill:
+                hidden = self._reduce(index, module, hidden, kwargs)
             if prefill and self.kept is not None:
                 self.kept_by_layer[index] = self.kept
             kept = self.kept_by_layer.get(index)
@@ -264,15 +252,52 @@ class LayerPruner:
                     kwargs["position_ids"] = kwargs["position_ids"][:, kept]
             mask = kwargs.get("attention_mask")
             if torch.is_tensor(mask):
-                generated = torch.arange(self.prompt_length, mask.shape[-1], device=kept.device)
-                mask = mask[..., torch.cat([kept, generated])]
-                kwargs["attention_mask"] = mask[..., kept, :] if prefill else mask
+                kwargs["attention_mask"] = self._mask_of(mask, kept, prefill)
             args = (hidden, *args[1:]) if args else args
             if not args:
                 kwargs["hidden_states"] = hidden
             return args, kwargs
 
         return hook
+
+    def _mask_of(self, mask: torch.Tensor, kept: torch.Tensor, prefill: bool) -> torch.Tensor:
+        """The attention mask of a layer that sees the prompt positions `kept`. The prefill's mask spans
+        the prompt; a decoding step's spans the first layer's cache (the prompt, or what a reduction at
+        the first layer kept of it), then the generated tokens."""
+        first = self.kept_by_layer.get(0)
+        if prefill:
+            return mask[..., kept, :][..., kept]
+        if first is None:
+            columns = torch.cat([kept, torch.arange(self.prompt_length, mask.shape[-1], device=kept.device)])
+        else:
+            generated = torch.arange(len(first), mask.shape[-1], device=kept.device)
+            columns = torch.cat([torch.searchsorted(first, kept), generated])
+        return mask[..., columns]
+
+    def _reduce(self, index: int, layer, hidden: torch.Tensor, kwargs: dict) -> torch.Tensor:
+        """The prefill's hidden states entering decoder layer `index` (`layer`, called with `kwargs`),
+        after the schedule's stage there, if any."""
+        stage = self.stages.get(index)
+        if stage is None:
+            return hidden
+        with self.work.timed():
+            if stage.rank_by == STAGE_INPUT:
+                rotary = kwargs["position_embeddings"]
+                if self.kept is not None:  # the tokens entering this layer, at their own positions
+                    rotary = tuple(t[:, self.kept] for t in rotary)
+                self.scores, flops = counted_flops(stage_input_attention, layer, hidden, *rotary)
+                self.flops += flops
+            elif stage.rank_by == DUPLICATION:
+                self.scores = self._duplication_scores(hidden, stage.keep)
+            return self._prune(hidden, stage)
+
+    def _ranking_hooks(self) -> list:
+        """Forward pre-hooks on the attention modules whose input a stage ranks by."""
+        return [
+            self.layers[s.layer - 1].self_attn.register_forward_pre_hook(self._ranker(s), with_kwargs=True)
+            for s in self.schedule
+            if s.rank_by != STAGE_INPUT  # ranked in the stage layer's own input hook
+        ]
 
     def _after(self, hidden: torch.Tensor) -> int:
         """Index in the current sequence of the first token after the last visual one (the text after
@@ -300,13 +325,7 @@ class LayerPruner:
         sequence order, ties to the earlier token (the dropped ones merged into them first, with
         `stage.merge`). Prompt positions: `kept` (every token the layer sees), `visual_kept` (its
         visual ones) and `text` (never pruned), sorted, on the hidden states' device."""
-        if self.kept is None:
-            self.prompt_length = hidden.shape[1]
-            is_text = torch.ones(self.prompt_length, dtype=torch.bool)  # cpu: a mask of the cpu positions
-            is_text[self.visual] = False
-            self.kept = torch.arange(self.prompt_length, device=hidden.device)
-            self.visual_kept = self.visual.to(hidden.device)
-            self.text = torch.nonzero(is_text).flatten().to(hidden.device)
+        self._start_cutting(hidden)
         local_visual = torch.searchsorted(self.kept, self.visual_kept)
         ranked = torch.argsort(self.scores[local_visual], descending=True, stable=True)
         top = self.visual_kept[ranked[: stage.keep]].sort().values
@@ -315,7 +334,120 @@ class LayerPruner:
             top_local, dropped_local = torch.searchsorted(self.kept, top), torch.searchsorted(self.kept, dropped)
             hidden, flops = counted_flops(merge_into_nearest, hidden, top_local, dropped_local)
             self.flops += flops
+        return self._cut(hidden, top)
+
+    def _start_cutting(self, hidden: torch.Tensor) -> None:
+        """Before the first cut: every prompt position kept, the visual and text ones apart, on the
+        hidden states' device."""
+        if self.kept is None:
+            self.prompt_length = hidden.shape[1]
+            is_text = torch.ones(self.prompt_length, dtype=torch.bool)  # cpu: a mask of the cpu positions
+            is_text[self.visual] = False
+            self.kept = torch.arange(self.prompt_length, device=hidden.device)
+            self.visual_kept = self.visual.to(hidden.device)
+            self.text = torch.nonzero(is_text).flatten().to(hidden.device)
+
+    def _cut(self, hidden: torch.Tensor, top: torch.Tensor) -> torch.Tensor:
+        """`hidden` with only the text and the visual tokens at prompt positions `top` (sorted)."""
         kept = torch.cat([self.text, top]).sort().values
         local = torch.searchsorted(self.kept, kept)
         self.kept, self.visual_kept = kept, top
         return hidden[:, local]
+
+
+class FusionPruner(LayerPruner):
+    """FrameFusion's reduction inside the LLM during one `generate` call (`baselines/framefusion.py`):
+    from decoder layer `first_layer` on, each layer's input merges the visual tokens similar to the
+    token at their position in the frame pair before, while a layer merges at least a tenth; the
+    layer after the last merge ranks the rest by its last queries' attention, and the next one keeps
+    its allowance of them. `budget`: the visual token-layers the prefill may hold (floor(R L N));
+    patches: (N,) each visual token's position within its frame pair. `layer_tokens` is filled as the
+    prefill runs (the counts follow from the hidden states). One host sync per merging layer (its
+    merge count, which sets the sequence's length)."""
+
+    def __init__(self, language_model, visual_positions, patches, budget: int, first_layer: int, stopwatch=None):
+        super().__init__(language_model, [], visual_positions, stopwatch)
+        self.patches = patches
+        self.patch_count = int(patches.max()) + 1 if len(patches) else 0  # a frame pair's tokens
+        self.budget = budget
+        self.first_layer = first_layer
+
+    def _infeasible(self, index: int, holding: int, layers_left: int) -> InfeasibleBudget:
+        """The budget this video cannot meet: layer `index` holds `holding` visual tokens after its merge
+        (every patch keeps its first token), the later layers at least one each."""
+        total = len(self.layers) * len(self.visual)
+        held = sum(self.layer_tokens) + holding + layers_left - 1
+        return InfeasibleBudget(
+            self.budget / total,
+            held / total,
+            f"FrameFusion on this video (layer {index} keeps {holding} visual tokens: one a patch at least)",
+        )
+
+    @contextmanager
+    def attached(self):
+        self.layer_tokens = []
+        self.phase, self.left, self.rank_layer = "merge", self.budget, None
+        self.patches_kept = None
+        with super().attached():
+            yield self
+
+    def _ranking_hooks(self) -> list:
+        return [
+            layer.self_attn.register_forward_pre_hook(self._fusion_ranker(i), with_kwargs=True)
+            for i, layer in enumerate(self.layers)
+        ]
+
+    def _fusion_ranker(self, index: int):
+        def hook(module, args, kwargs):
+            hidden = args[0] if args else kwargs["hidden_states"]
+            if hidden.shape[1] == 1 or self.phase != "rank" or index != self.rank_layer:
+                return
+            with self.work.timed():  # the last queries' attention over every key, mean over heads and queries
+                cos, sin = kwargs["position_embeddings"]
+                first = hidden.shape[1] - framefusion.QUERY_ROWS
+                rows, flops = counted_flops(query_attention, module, hidden, cos, sin, first)
+                self.scores = rows.mean(dim=(0, 1))
+                self.flops += flops
+
+        return hook
+
+    def _reduce(self, index: int, layer, hidden: torch.Tensor, kwargs: dict) -> torch.Tensor:
+        layers_left = len(self.layers) - index
+        if index >= self.first_layer and self.phase == "merge":
+            with self.work.timed():
+                hidden = self._merge(index, hidden, layers_left)
+        elif self.phase == "rank" and index == self.rank_layer + 1:
+            with self.work.timed():
+                keep = framefusion.prune_keep(len(self.visual_kept), self.left, layers_left)
+                hidden = self._prune(hidden, Stage(index, keep))
+                self.phase = "done"
+        visual = len(self.visual) if self.kept is None else len(self.visual_kept)
+        self.layer_tokens.append(visual)
+        self.left -= visual
+        return hidden
+
+    def _merge(self, index: int, hidden: torch.Tensor, layers_left: int) -> torch.Tensor:
+        """Decoder layer `index`'s input, merging: the similar tokens averaged into their runs' first tokens and
+        cut, the phase moved on as `framefusion.merge_decision` says."""
+        self._start_cutting(hidden)
+        if self.patches_kept is None:
+            self.patches_kept = self.patches.to(hidden.device)
+        local = torch.searchsorted(self.kept, self.visual_kept)
+        order, similarity = framefusion.neighbour_similarity(hidden[0], local, self.patches_kept)
+        merged, count, done_merging, done = framefusion.merge_decision(
+            similarity, self.left, layers_left, self.patch_count
+        )
+        if not done and self.left - (len(merged) - count) < layers_left - 1:
+            raise self._infeasible(index, len(merged) - count, layers_left)
+        members, targets = framefusion.merge_groups(order, merged, count)
+        gone = torch.zeros(len(local), dtype=torch.bool, device=local.device)
+        gone[members] = True
+        stay = torch.argsort(gone.to(torch.int8), stable=True)[: len(local) - count]  # in prompt order
+        source, visual = hidden[0], self.visual_kept
+        cut = self._cut(hidden, visual[stay])  # a copy: the members are then added into their targets
+        position = torch.searchsorted(self.kept, visual)  # each visual token's row in the cut (a member's: unused)
+        framefusion.average_into(cut[0], source, local[members], position[targets], position[stay])
+        self.patches_kept = self.patches_kept[stay]
+        self.phase = "done" if done else "rank" if done_merging else "merge"
+        self.rank_layer = index if self.phase == "rank" else None
+        return cut

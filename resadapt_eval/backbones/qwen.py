@@ -24,7 +24,7 @@ from ..budget.plan import ResizePlan
 from ..measure.clock import FirstLogits, ModuleTimer, Stopwatch, peak_memory_mb, reset_peak_memory
 from ..video import DecodedVideo
 from .decode_pruning import DecodePruner
-from .layer_pruning import LayerPruner
+from .layer_pruning import FusionPruner, LayerPruner
 from .layout import IMAGE_PAD, VIDEO_TOKEN_TYPE, EngineOutput, Qwen3VLLayout, Qwen25VLLayout, QwenLayout
 from .mrope import VisionRun, qwen25_mrope_positions
 from .vision_attention import last_block_input, received_attention_and_keys
@@ -230,6 +230,23 @@ class QwenVideoAdapter:
         return PrunedInputs(
             inputs, LayerPruner(self.model.model.language_model, stages, self.visual_positions(inputs), self.stopwatch)
         )
+
+    def fusion_inputs(self, inputs: dict, budget: int) -> PrunedInputs:
+        """`inputs` (from `build_inputs`) with a `FusionPruner` holding the prefill to `budget` visual
+        token-layers; each visual token's patch is its position within its frame pair."""
+        merge = self.model.config.vision_config.spatial_merge_size
+        pairs = inputs["video_grid_thw"].tolist()
+        patches = [torch.arange(h * w // merge**2) for _, h, w in pairs]  # cpu: host facts (moved once, by the pruner)
+        patches = torch.cat([p.repeat(t) for p, (t, _, _) in zip(patches, pairs)])
+        pruner = FusionPruner(
+            self.model.model.language_model,
+            self.visual_positions(inputs),
+            patches,
+            budget,
+            self.first_prunable_layer,
+            self.stopwatch,
+        )
+        return PrunedInputs(inputs, pruner)
 
     def build_pruned_inputs(self, inputs: dict, schedule, retention: float, layers: list[int] | None) -> PrunedInputs:
         """`pruned_inputs` with the stages `schedule` gives for `retention` on this LLM and the

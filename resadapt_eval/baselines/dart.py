@@ -32,8 +32,8 @@ Deviations from the reference:
   chosen token, `[valid_indices_list[i] for i in top_k_indices]`);
 - the cosine similarity is one matmul of the normed rows against the normed pivots, in the model's
   dtype, over float32 norms (the reference calls `cosine_similarity` per pivot on a gathered copy of
-  the remaining rows), formed `BLOCK_ROWS` rows at a time with the final norm applied per block: no
-  (N, H) copy exists whole;
+  the remaining rows), formed `SIMILARITY_ROWS` rows at a time with the final norm applied per block:
+  no (N, H) copy exists whole;
 - every visual token of the request is one pool (a video's pairs, or several images), and the text
   pivots are the tokens after the last visual token (Qwen3-VL's timestamps between frames are
   neither), where the reference takes one contiguous image block;
@@ -46,11 +46,12 @@ from __future__ import annotations
 
 import torch
 
-from .inside_llm import BLOCK_ROWS, DUPLICATION, Stage, one_stage
+from .inside_llm import DUPLICATION, Stage, one_stage
 
 DEFAULT_LAYER = 2  # K
 PIVOT_IMAGE = 4  # pivot_image_token
 PIVOT_TEXT = 4  # pivot_text_token
+SIMILARITY_ROWS = 1024  # visual rows normed and compared with the pivots at a time
 
 
 def stages(
@@ -114,11 +115,11 @@ def visiting_order(pivots: torch.Tensor) -> torch.Tensor:
 
 def pivot_similarity(hidden: torch.Tensor, norm, visual: torch.Tensor, pivots: torch.Tensor) -> torch.Tensor:
     """(N, P) float32 cosine similarity of each visual token's normed state to each pivot's: dot
-    products in the states' dtype over float32 norms, `BLOCK_ROWS` visual rows at a time."""
+    products in the states' dtype over float32 norms, `SIMILARITY_ROWS` visual rows at a time."""
     pivot_rows = norm(hidden[:, pivots])[0]  # (P, H)
     pivot_norms = pivot_rows.float().norm(dim=-1)
     blocks = []
-    for rows in visual.tensor_split(-(-len(visual) // BLOCK_ROWS)):
+    for rows in visual.tensor_split(-(-len(visual) // SIMILARITY_ROWS)):
         states = norm(hidden[:, rows])[0]  # (n, H)
         dots = (states @ pivot_rows.T).float()
         blocks.append(dots / (states.float().norm(dim=-1)[:, None] * pivot_norms).clamp_min(1e-8))

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Callable
 
 from ..budget.plan import InfeasibleBudget
 
@@ -65,6 +66,20 @@ class DecodeStage:
     layer: int
     keep: int
     threshold: float
+
+
+@dataclass(frozen=True)
+class AdaptiveSchedule:
+    """An in-LLM method whose per-layer counts follow from the hidden states, decided layer by layer
+    (FrameFusion; run by `backbones/layer_pruning.FusionPruner`). typical_layers(num_layers, visual,
+    retention, first_layer, patches) -> the visual tokens in each layer on a video of pairs of
+    `patches` tokens with no similar neighbours
+    (the config-only rows; `InfeasibleBudget` below its floor); working_bytes(text_dims, tokens,
+    visual, b) -> the most bytes its working tensors hold over `tokens` prompt tokens (`visual`
+    visual) in a dtype of `b` bytes."""
+
+    typical_layers: Callable
+    working_bytes: Callable
 
 
 def layer_counts(stages: list[Stage], num_layers: int, visual: int) -> list[int]:

@@ -205,10 +205,10 @@ def stage_bytes(x: TextDims, stage, tokens: int, visual: int, text: int, dtype: 
 def duplication_bytes(x: TextDims, stage, tokens: int, visual: int, b: int) -> int:
     """DART's stage over `tokens` tokens (`visual` visual): the layer before's keys as a ranking forms
     them (a block at a time) and their L1 norms; the pivots' normed rows; per block of at most
-    `BLOCK_ROWS` visual rows their gathered and normed copies (two float32 B x H tensors inside
-    RMSNorm) and float32 norms; the (N, pivots) float32 similarity and one negated column; the
+    `dart.SIMILARITY_ROWS` visual rows their gathered and normed copies (two float32 B x H tensors
+    inside RMSNorm) and float32 norms; the (N, pivots) float32 similarity and one negated column; the
     scores and the kept copy."""
-    block, pivots = min(visual, BLOCK_ROWS), dart.PIVOT_IMAGE + dart.PIVOT_TEXT
+    block, pivots = min(visual, dart.SIMILARITY_ROWS), dart.PIVOT_IMAGE + dart.PIVOT_TEXT
     keys = (tokens + 2 * min(tokens, BLOCK_ROWS)) * x.kv_heads * x.head_dim * b + tokens * b
     similarity = 2 * visual * pivots * F32 + visual * F32 + pivots * x.hidden * b
     rows = 2 * block * x.hidden * b + 2 * block * x.hidden * F32
@@ -271,6 +271,8 @@ def sample_memory(
     if method.needs_attention:
         encoding += recompute_bytes(v, plan.grids, dtype)
     inside = 0  # the stages run one after another: the largest
+    if method.adaptive_prune is not None:  # its merging or ranking layer, over the whole prompt at most
+        inside = method.adaptive_prune.working_bytes(dims.text, prompt[0], plan.visual, b)
     for stage in plan.stages or []:
         tokens = prompt[stage.layer - 1]  # ranked over the tokens of the layer before
         inside = max(inside, stage_bytes(dims.text, stage, tokens, tokens - text, text, dtype))
