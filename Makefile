@@ -37,7 +37,7 @@ test: $(STAMP)
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q $(XDIST) -m "not slow" tests
 
 # Every token-reducing method through the lmms-eval CLI on both tiny backbones at R=0.25 and 0.1
-# (about 45 lmms-eval runs; `make test` runs one per method).
+# (about 96 lmms-eval runs; `make test` runs one per method kind).
 test-cli-matrix: $(STAMP)
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q $(XDIST) tests/test_lmms_cli.py -k test_token_reducers_run_through_the_cli
 

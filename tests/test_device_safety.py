@@ -522,7 +522,7 @@ def compressor_kernels():
         return (*steps[0], *holitom.follow(tokens, steps, 0, 2))
 
     def vidcom2_scores(feats, attention):
-        channels = vidcom2.low_variance_channels(feats.double())
+        channels = feats.double()[:, vidcom2.scoring_channels(feats, [0], [len(feats)])]
         to_video, to_frame = vidcom2.similarities(channels, [0, 16, 32, 48], [16] * 4)
         return to_video, to_frame, vidcom2.frame_weights(to_video, [0, 16, 32, 48], [16] * 4)
 

@@ -187,13 +187,19 @@ TURNS = (("qwen25vl", 0.25), ("qwen3vl", 0.1))
 
 
 def reducer_runs():
-    """Every token-reducing method on both backbones at R=0.25 and 0.1. `make test` runs each method
-    once, the methods taking turns at (qwen25vl, 0.25) and (qwen3vl, 0.1), since every method runs on
-    both backbones at both R in process through the same code (test_baselines.py, test_inside_llm.py,
-    test_two_stage.py); the other runs are marked slow (`make test-cli-matrix`)."""
-    for i, method in enumerate(REDUCERS):
+    """Every token-reducing method on both backbones at R=0.25 and 0.1. `make test` runs the first
+    method of each kind once, those methods taking turns at (qwen25vl, 0.25) and (qwen3vl, 0.1): a
+    kind's methods share its path through the lmms-eval class, and every method runs on both
+    backbones at both R in process through the same code (test_baselines.py, test_inside_llm.py,
+    test_two_stage.py, test_dtype_attention.py, test_real_videos.py); the other runs are marked slow
+    (`make test-cli-matrix`)."""
+    kinds = []
+    for method in REDUCERS:
+        kind = METHODS[method].kind
+        first = kind not in kinds
+        kinds += [kind] if first else []
         for backbone, retention in (("qwen25vl", 0.25), ("qwen25vl", 0.1), ("qwen3vl", 0.25), ("qwen3vl", 0.1)):
-            slow = (backbone, retention) != TURNS[i % 2]
+            slow = not first or (backbone, retention) != TURNS[(len(kinds) - 1) % 2]
             yield pytest.param(method, backbone, retention, marks=[pytest.mark.slow] if slow else [])
 
 

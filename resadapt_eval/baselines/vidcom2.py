@@ -66,11 +66,6 @@ def scoring_channels(features: torch.Tensor, starts: list[int], sizes: list[int]
     return torch.sort(channel_variance(features, starts, sizes), stable=True).indices[:count]
 
 
-def low_variance_channels(features: torch.Tensor) -> torch.Tensor:
-    """features (N, D) restricted to the scoring channels (`scoring_channels`, the video as one pair), (N, D')."""
-    return features[:, scoring_channels(features, [0], [features.shape[0]])]
-
-
 def gaussian_similarity(x: torch.Tensor, centre: torch.Tensor) -> torch.Tensor:
     """Multi-scale Gaussian kernel between each row of x (n, D) and centre (D,), (n,)."""
     squared = (x - centre).square_().sum(dim=-1)
