@@ -376,17 +376,28 @@ def test_a_pruning_stage_runs_through_its_layer_on_the_llm_s_device(tiny_models,
     input), the selection on the device, the pruned hidden states, rotary, positions and mask in the stage's
     layer. The next layer's hook asks whether the pruned length is above 1, a question about data."""
     from resadapt_eval.backbones.layer_pruning import LayerPruner
+    from resadapt_eval.baselines import dart
     from resadapt_eval.baselines.inside_llm import Stage
+
+    monkeypatch.setattr(dart, "visiting_order", lambda pivots: pivots)  # its one read of data (above)
+    entering, syncs, pruner = fake_prefill_until(
+        tiny_models[family][0], lambda llm: LayerPruner(llm, [Stage(4, 5, rank_by=rank_by)], torch.arange(4, 16)), 5
+    )
+    assert on_fake_cuda(entering)
+    assert syncs == 0  # the prefill, ranking and pick included, never reads the device on the host
+    assert pruner.kept.device == CUDA and pruner.kept_by_layer[4] is pruner.kept
+
+
+def fake_prefill_until(model, make_pruner, stop_layer: int):
+    """A prefill of 20 tokens through a fake CUDA copy of `model`'s LLM with the pruner `make_pruner(llm)`
+    attached (built on the host, before the engine call, from the prompt's positions), stopped at decoder
+    layer `stop_layer`'s input: (the hidden states entering it, the host syncs counted, the pruner)."""
     from resadapt_eval.measure.syncs import SyncCounter
 
     class Stop(Exception):
         pass
 
-    from resadapt_eval.baselines import dart
-
-    model, _ = tiny_models[family]
     entering = {}
-    monkeypatch.setattr(dart, "visiting_order", lambda pivots: pivots)  # its one read of data (above)
 
     def stop(module, args, kwargs):
         entering["hidden"] = args[0] if args else kwargs["hidden_states"]
@@ -395,14 +406,12 @@ def test_a_pruning_stage_runs_through_its_layer_on_the_llm_s_device(tiny_models,
     with fake_cuda():
         language_model = fake_cuda_copy(model.model.language_model)
         hidden, positions, _ = text_inputs(model, 20)
-        with unset_fake_temporarily():  # built before the engine call, from the prompt's positions (host facts)
-            pruner = LayerPruner(language_model, [Stage(4, 5, rank_by=rank_by)], torch.arange(4, 16))
-        language_model.layers[5].register_forward_pre_hook(stop, with_kwargs=True, prepend=True)
+        with unset_fake_temporarily():
+            pruner = make_pruner(language_model)
+        language_model.layers[stop_layer].register_forward_pre_hook(stop, with_kwargs=True, prepend=True)
         with torch.no_grad(), pruner.attached(), SyncCounter(device_only=True) as syncs, pytest.raises(Stop):
             language_model(inputs_embeds=hidden, position_ids=positions, use_cache=False)
-    assert on_fake_cuda(entering["hidden"])
-    assert syncs.count == 0  # the prefill, ranking and pick included, never reads the device on the host
-    assert pruner.kept.device == CUDA and pruner.kept_by_layer[4] is pruner.kept
+    return entering["hidden"], syncs.count, pruner
 
 
 @pytest.mark.parametrize("family", ["qwen25vl", "qwen3vl"])
@@ -412,10 +421,6 @@ def test_framefusion_merges_ranks_and_prunes_on_the_llm_s_device(tiny_models, fa
     data (one sync a merging layer): here the decision marks every third token of the later pairs."""
     from resadapt_eval.backbones.layer_pruning import FusionPruner
     from resadapt_eval.baselines import framefusion
-    from resadapt_eval.measure.syncs import SyncCounter
-
-    class Stop(Exception):
-        pass
 
     def decision(similarity, budget, layers, patches):  # 4 of the 12 visual tokens merge; merging ends
         merged = torch.zeros(len(similarity), dtype=torch.bool, device=similarity.device)
@@ -425,23 +430,12 @@ def test_framefusion_merges_ranks_and_prunes_on_the_llm_s_device(tiny_models, fa
     monkeypatch.setattr(framefusion, "merge_decision", decision)
     model, _ = tiny_models[family]
     first = len(getattr(model.config.vision_config, "deepstack_visual_indexes", None) or ())
-    entering = {}
-
-    def stop(module, args, kwargs):
-        entering["hidden"] = args[0] if args else kwargs["hidden_states"]
-        raise Stop
-
-    with fake_cuda():
-        language_model = fake_cuda_copy(model.model.language_model)
-        hidden, positions, _ = text_inputs(model, 20)
-        with unset_fake_temporarily():  # built before the engine call, from the prompt (host facts)
-            patches = torch.arange(4).repeat(3)  # 3 pairs of 4 tokens
-            pruner = FusionPruner(language_model, torch.arange(4, 16), patches, 20 * 12, first)
-        language_model.layers[first + 2].register_forward_pre_hook(stop, with_kwargs=True, prepend=True)
-        with torch.no_grad(), pruner.attached(), SyncCounter(device_only=True) as syncs, pytest.raises(Stop):
-            language_model(inputs_embeds=hidden, position_ids=positions, use_cache=False)
-    assert on_fake_cuda(entering["hidden"])
-    assert syncs.count == 0
+    patches = torch.arange(4).repeat(3)  # 3 pairs of 4 tokens
+    entering, syncs, pruner = fake_prefill_until(
+        model, lambda llm: FusionPruner(llm, torch.arange(4, 16), patches, 20 * 12, first), first + 2
+    )
+    assert on_fake_cuda(entering)
+    assert syncs == 0
     assert pruner.layer_tokens == [12] * first + [8, pruner.layer_tokens[-1]] and pruner.phase == "done"
     assert pruner.kept.device == CUDA
 
