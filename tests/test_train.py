@@ -7,6 +7,7 @@ import pytest
 from resadapt_eval.train.simulation import run_ablation, summarize
 
 
+@pytest.mark.slow  # the paper's reward-design ablation in simulation (docs/results.md), a minute on one core
 def test_simulated_ablation_reproduces_the_papers_findings():
     table = summarize(run_ablation(steps=300, seed=0), last=100)
     direct, accuracy_only, capo, capo_sim = (table[k] for k in ("direct cost", "accuracy only", "CAPO", "CAPO + L_sim"))
