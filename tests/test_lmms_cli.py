@@ -160,7 +160,7 @@ def test_bad_model_args_give_clear_errors(fixtures_dir):
         ResAdaptQwen25VL(pretrained=str(fixtures_dir / "qwen25vl"), method="tome2")
 
 
-# Qwen3-VL's is slow: the class's path is the same, and both backbones run the Allocator in process (test_real_videos.py)
+# Qwen3-VL's is slow: the class's path is the same; both backbones run the Allocator in process (test_real_videos)
 @pytest.mark.parametrize("backbone", ["qwen25vl", pytest.param("qwen3vl", marks=pytest.mark.slow)])
 def test_resadapt_with_the_untrained_allocator_runs_within_budget(fixtures_dir, tmp_path, backbone):
     model_args = dict(
