@@ -28,8 +28,9 @@ Deviations from the reference:
   decoder layer's residual stream cannot be cut between its attention and its MLP through hooks);
   the similarity is read there, and the MLP of layer l runs on the unmerged tokens. The first merge
   is, as in the reference, at the first layer's input; the pruning, ranked by the attention of the
-  layer after the last merge (its last 4 queries, from that layer's own q/k projections and rotary),
-  is at the input of the layer after it (the reference: between that layer's attention and MLP);
+  layer whose input merged last (the reference's: the attention after its last merge; its last 4
+  queries, from that layer's own q/k projections and rotary), is at the input of the layer after it
+  (the reference: between that layer's attention and MLP);
 - exact layer-averaged budgets: the reference's cost bookkeeping (`_compute_pruning_ratio`) counts a
   merge as a layer, assumes 28 layers and rounds the kept count; here the visual tokens allowed over
   all layers are floor(R L N), each merge layer's count is what entered it, and a layer's allowance
