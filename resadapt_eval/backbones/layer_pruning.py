@@ -309,10 +309,8 @@ class LayerPruner:
         """(L,) 1 for the visual tokens DART keeps, else 0 (`dart.select` on the states entering the
         stage layer and the keys' L1 norms of the layer before)."""
         device = hidden.device
-        if self.kept is None:
-            visual = self.visual.to(device)
-        else:
-            visual = torch.searchsorted(self.kept, self.visual_kept)
+        self._start_cutting(hidden)
+        visual = torch.searchsorted(self.kept, self.visual_kept)  # in the current sequence
         after = torch.arange(self._after(hidden), hidden.shape[1], device=device)
         taken, flops = counted_flops(dart.select, hidden, self.language_model.norm, self.key_l1, visual, after, keep)
         self.flops += flops
