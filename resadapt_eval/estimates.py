@@ -71,7 +71,17 @@ def row_flops(
     ranking = None  # each stage's ranking, in the layer before it
     if plan.stages is not None:
         ranking = sum(stage_flops(dims.text, s, plan, text_tokens) for s in plan.stages)
-    flops = sample_flops(dims, method, plan.grids, retention, plan.prompt, output_tokens, ranking, allocator=scoring)
+    flops = sample_flops(
+        dims,
+        method,
+        plan.grids,
+        retention,
+        plan.prompt,
+        output_tokens,
+        ranking,
+        allocator=scoring,
+        tower=plan.budget.tower,
+    )
     return flops, plan.visual
 
 

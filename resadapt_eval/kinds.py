@@ -19,7 +19,8 @@ schedule, ...) and defaults. A kind owns
 
 The kinds: `RESIZE_POLICY` (vanilla, fixed_scale, resadapt), `COMPRESSOR` (after the merger: ToMe,
 VisionZip, ...), `IN_LLM_PRUNER` (FastV, PyramidDrop), `COMPRESSOR_THEN_PRUNER` (PruneVid, HoliTom),
-`DECODE_PRUNER` (DyCoke), `ENGINE_PRUNER` (vLLM's EVS), `FRAME_SELECTION` (resadapt's operators).
+`DECODE_PRUNER` (DyCoke), `ENGINE_PRUNER` (vLLM's EVS), `IN_TOWER_MERGER` (iLLaVA, between vision
+blocks), `FRAME_SELECTION` (resadapt's operators).
 Adding a kind is one subclass here; see docs/architecture.md for what else it touches.
 """
 
@@ -33,13 +34,13 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from .baselines.common import kept_count
+from .baselines.common import kept_count, per_pair_budget
 from .baselines.framefusion import total_budget
 from .baselines.inside_llm import entering_tokens, layer_counts
 from .budget import policies
 from .budget.plan import InfeasibleBudget, ResizePlan, pair_frames
 from .budget.tokens import TokenBudget, engine_kept_tokens
-from .compute.flops import ENGINE_PRUNING, BackboneDims, recomputed_attention
+from .compute.flops import ENGINE_PRUNING, BackboneDims, recomputed_attention, tower_attention
 from .measure.clock import peak_memory_mb, reset_peak_memory
 from .measure.counting import CountedCall
 
@@ -54,10 +55,11 @@ BEFORE_ENCODER = "before_encoder"  # resizes frames: fewer pixels enter the visi
 AFTER_MERGER = "after_merger"  # encodes the vanilla plan, then drops/merges tokens before the LLM
 INSIDE_LLM = "inside_llm"  # prunes visual tokens between decoder layers
 IN_ENGINE = "in_engine"  # the serving engine drops merged tokens before the LLM (vLLM's video pruning)
-STAGES = (BEFORE_ENCODER, AFTER_MERGER, INSIDE_LLM, IN_ENGINE)
+INSIDE_TOWER = "inside_tower"  # merges visual tokens between vision-tower blocks: fewer enter the later blocks
+STAGES = (BEFORE_ENCODER, INSIDE_TOWER, AFTER_MERGER, INSIDE_LLM, IN_ENGINE)
 
 # A method's algorithm slots (`methods.Method` fields); each kind says which it fills.
-SLOTS = ("policy", "compressor", "prune", "adaptive_prune", "decode_prune", "engine_pruning")
+SLOTS = ("policy", "compressor", "prune", "adaptive_prune", "decode_prune", "engine_pruning", "tower_merge")
 
 FLOOR_PROBE_TOKENS = 10**7  # visual tokens: more than any request gives (`InLLMPruner.check_llm`)
 
@@ -120,7 +122,8 @@ class MethodKind:
     """The protocol every kind implements; these defaults are a method that plans every frame at
     the base size, puts the plan's tokens into the LLM and runs on any engine that does not prune
     video tokens itself. hf / vllm: the HF classes / the vLLM engine run it; images: it serves
-    image requests; slots: the algorithm slots a method of this kind fills (the others stay empty);
+    image requests; families: the backbones it runs on (the others stop at start, `check_llm`); slots: the
+    algorithm slots a method of this kind fills (the others stay empty);
     untimed_work: why its records carry no `compress_s` (None: a compressor, which times its own work)."""
 
     untimed_work: str | None = "no compressor stage: the method's own work is planning (in preprocess_s)"
@@ -128,6 +131,7 @@ class MethodKind:
     name = "method"
     stage = BEFORE_ENCODER
     hf, vllm, images = True, False, False
+    families: tuple[str, ...] = ("qwen25vl", "qwen3vl")
     slots: tuple[str, ...] = ()
 
     def __repr__(self) -> str:
@@ -621,6 +625,83 @@ class DecodePruner(Compressor):
         return backbone.decode_pruned_inputs(inputs, budget.decode_stage)
 
 
+class InTowerMerger(InModel):
+    """Merges visual tokens between vision-tower blocks (`backbones/tower_reduction.TowerReducer`;
+    iLLaVA): the later blocks, the merger and the LLM see floor(R N) merge units, R against the
+    vanilla tokens as for a compressor; each frame pair keeps its share (`common.per_pair_budget`),
+    reached over the method's merging blocks (`TowerMerging.layer_counts`). Qwen3-VL only."""
+
+    name = "in-tower merger"
+    stage = INSIDE_TOWER
+    families = ("qwen3vl",)
+    slots = ("tower_merge",)
+    untimed_work = None
+
+    def check_llm(self, spec, dims) -> None:
+        """Qwen3-VL's tower only, with at least one block before its last to merge after."""
+        vision = dims.vision
+        if vision.window_px is not None:
+            raise ValueError(
+                f"method={spec.method.name} merges inside the vision tower on Qwen3-VL only: Qwen2.5-VL's blocks "
+                "between its full-attention blocks attend in windows, which a merge would have to re-form (not ported)"
+            )
+        if not spec.method.tower_merge.default_layers(vision.depth):
+            raise ValueError(f"method={spec.method.name} needs a vision tower of 2 blocks at least, not {vision.depth}")
+
+    def retention_floor(self, spec, planner, dims) -> RetentionFloor:
+        """At least one unit per frame pair, as a compressor (`Compressor.retention_floor`)."""
+        return COMPRESSOR.retention_floor(spec, planner, dims)
+
+    @staticmethod
+    def tower_rows(method, dims: BackboneDims, pair_units: list[int], retention: float) -> tuple[tuple[int, ...], ...]:
+        """The units of each frame pair entering each vision block, then the merger's."""
+        merging, depth = method.tower_merge, dims.vision.depth
+        layers = merging.default_layers(depth)
+        keeps = per_pair_budget(pair_units, kept_count(retention, sum(pair_units), len(pair_units)))
+        paths = [merging.layer_counts(n, k, len(layers)) for n, k in zip(pair_units, keeps)]
+        rows, current = [], tuple(pair_units)
+        for block in range(depth):
+            rows.append(current)
+            if block in layers:
+                current = tuple(path[layers.index(block)] for path in paths)
+        return (*rows, current)
+
+    def token_budget(self, spec, plans, reference, dims) -> TokenBudget:
+        (plan,) = plans
+        rows = self.tower_rows(spec.method, dims, list(plan.pair_tokens), spec.retention)
+        return TokenBudget(reference, sum(rows[-1]), share=spec.retention, tower=rows)
+
+    def build(self, spec, backbone, request, video, plan, pairs, budget) -> ModelInputs:
+        method, timer, rows = spec.method, backbone.vision_timer, budget.tower
+        schedule = {block: list(rows[block + 1]) for block in range(len(rows) - 1) if rows[block + 1] != rows[block]}
+        reset_peak_memory(backbone.device)  # the tower runs here, before the engine call
+        with timer.recording():
+            inputs, reducer = backbone.build_tower_merged_inputs(
+                request.prompt,
+                video,
+                plan,
+                schedule,
+                method.tower_merge.merge,
+                lambda fn: CountedCall(fn, timer.stopwatch),
+                pairs,
+            )
+        held = [sum(row) for row in rows]
+        if reducer.block_units != held:
+            raise RuntimeError(
+                f"{method.name}: the tower's blocks held {reducer.block_units} units; the budget counts {held}"
+            )
+        vision_s, peak = timer.take(), peak_memory_mb(backbone.device)
+        return ModelInputs(inputs, tuple(reducer.sizes.tolist()), reducer.flops, vision_s, peak, reducer.seconds())
+
+    def own_flops(self, method, dims, grids, retention, counted) -> int:
+        """Counted in a run; from configs alone, the attention each merging block recomputes over the
+        units entering it (`flops.tower_attention`); the averages are not matmuls."""
+        if counted is not None:
+            return counted
+        rows = self.tower_rows(method, dims, [t * h * w for t, h, w in grids], retention)
+        return sum(tower_attention(dims.vision, rows[b]) for b in range(dims.vision.depth) if rows[b + 1] != rows[b])
+
+
 RESIZE_POLICY = ResizePolicy()
 COMPRESSOR = Compressor()
 IN_LLM_PRUNER = InLLMPruner()
@@ -628,6 +709,7 @@ ADAPTIVE_IN_LLM_PRUNER = AdaptiveInLLMPruner()
 COMPRESSOR_THEN_PRUNER = CompressorThenPruner()
 DECODE_PRUNER = DecodePruner()
 ENGINE_PRUNER = EnginePruner()
+IN_TOWER_MERGER = InTowerMerger()
 FRAME_SELECTION = FrameSelection()
 KINDS = (
     RESIZE_POLICY,
@@ -637,5 +719,6 @@ KINDS = (
     COMPRESSOR_THEN_PRUNER,
     DECODE_PRUNER,
     ENGINE_PRUNER,
+    IN_TOWER_MERGER,
     FRAME_SELECTION,
 )

@@ -30,6 +30,7 @@ from .baselines import (
     framefusion,
     gprune,
     holitom,
+    illava,
     pooling,
     prumerge_plus,
     prunevid,
@@ -42,6 +43,7 @@ from .baselines import (
     vispruner,
 )
 from .baselines.common import TokenCompressor
+from .baselines.illava import TowerMerging
 from .baselines.inside_llm import AdaptiveSchedule
 from .budget import policies
 from .kinds import (
@@ -54,7 +56,9 @@ from .kinds import (
     ENGINE_PRUNER,
     IN_ENGINE,
     IN_LLM_PRUNER,
+    IN_TOWER_MERGER,
     INSIDE_LLM,
+    INSIDE_TOWER,
     RESIZE_POLICY,
     STAGES,
     MethodKind,
@@ -65,6 +69,7 @@ __all__ = [  # the stage names are re-exported: benchmarks and tests read them f
     "BEFORE_ENCODER",
     "IN_ENGINE",
     "INSIDE_LLM",
+    "INSIDE_TOWER",
     "METHODS",
     "NO_RETENTION",
     "OPTIONAL_RETENTION",
@@ -102,7 +107,8 @@ class Method:
     `inside_llm.AdaptiveSchedule`, an in-LLM method whose counts follow from the hidden states; decode_prune:
     `(num_layers, visual, retention, first_layer) -> DecodeStage` (`baselines/inside_llm.py`, run
     by `backbones/decode_pruning.py`);
-    engine_pruning: vLLM's `video_pruning_method`, run at `video_pruning_rate` = `pruning_rate(R)`.
+    engine_pruning: vLLM's `video_pruning_method`, run at `video_pruning_rate` = `pruning_rate(R)`;
+    tower_merge: a `baselines.illava.TowerMerging`, merging between vision-tower blocks.
     Defaults: needs_allocator: its scales come from the Allocator (`allocator=`, frame selection);
     prune_layer_count: how many decoder layers `prune_layers=` names (one per stage; None: any
     number, PyramidDrop's pyramid); aliases: older model-name stems that still resolve; in_paper:
@@ -120,6 +126,7 @@ class Method:
     adaptive_prune: AdaptiveSchedule | None = None
     decode_prune: Callable | None = None
     engine_pruning: str | None = None
+    tower_merge: TowerMerging | None = None
     needs_allocator: bool = False
     prune_layer_count: int | None = 1
     aliases: tuple[str, ...] = ()
@@ -286,6 +293,7 @@ register(
     )
 )
 register(Method("evs", "EVS", "EVS", ENGINE_PRUNER, REQUIRED_RETENTION, engine_pruning="evs"))
+register(Method("illava", "iLLaVA", "ILLaVA", IN_TOWER_MERGER, REQUIRED_RETENTION, tower_merge=illava.MERGING))
 register(
     Method(
         "fixed_scale",

@@ -27,7 +27,8 @@ class SampleRecord:
     achieved_retention = layer_averaged_tokens / reference_tokens (for every method but those
     pruning inside the LLM, visual_tokens / reference_tokens); raw_scales: an Allocator's scales before
     projection to the target R; merged_sizes: for token compressors, how many original tokens each
-    kept token stands for (sums to the vanilla count for merging methods). Frame selection:
+    kept token stands for (sums to the vanilla count for merging methods); tower_tokens: for a method
+    merging inside the vision tower, the patches entering each vision block, then the merger's. Frame selection:
     candidates (frames scored), frame_indices (the kept ones), reference_tokens (the candidates'
     vanilla tokens, so R is against vanilla at the candidate count, as the paper reports it);
     frame_budget: visual tokens in full-resolution-frame equivalents (every method). Images: one
@@ -88,6 +89,7 @@ class SampleRecord:
     target_retention: float | None = None
     raw_scales: list[float] | None = None
     merged_sizes: list[int] | None = None
+    tower_tokens: list[int] | None = None
     candidates: int | None = None
     frame_budget: float | None = None
     input_tokens: int = 0
@@ -243,8 +245,11 @@ def build_record(
             record.peak_memory_mb = max(engine.peak_memory_mb, built.peak_memory_mb)
         if engine.vision_s is not None:
             record.vision_s = engine.vision_s + built.vision_s
+        dims = dims_from_config(layout.config)
+        if budget.tower is not None:  # patches entering each vision block, then the merger
+            record.tower_tokens = [sum(row) * dims.vision.merge**2 for row in budget.tower]
         flops = sample_flops(
-            dims_from_config(layout.config),
+            dims,
             spec.method,
             [g for p in planned.plans for g in p.grids],
             spec.retention,
@@ -253,6 +258,7 @@ def build_record(
             compressor=built.compressor_flops + engine.method_flops,  # what the method's work counted while it ran
             allocator=scores.flops,
             decode_keys_dropped=engine.decode_keys_dropped,
+            tower=budget.tower,
         )
         record.vision_flops, record.vision_attention_flops = flops.vision, flops.vision_attention
         record.llm_prefill_flops, record.llm_attention_flops = flops.llm_prefill, flops.llm_attention

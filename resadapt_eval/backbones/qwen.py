@@ -27,6 +27,7 @@ from .decode_pruning import DecodePruner
 from .layer_pruning import FusionPruner, LayerPruner
 from .layout import IMAGE_PAD, VIDEO_TOKEN_TYPE, EngineOutput, Qwen3VLLayout, Qwen25VLLayout, QwenLayout
 from .mrope import VisionRun, qwen25_mrope_positions
+from .tower_reduction import TowerReducer
 from .vision_attention import last_block_input, received_attention_and_keys
 
 
@@ -201,6 +202,37 @@ class QwenVideoAdapter:
             outputs["deepstack_features"] = [[d] for d in merged_deepstack]
         encoder_outputs = {"video": type(encoded)(**outputs)}
         return dict(compressed_sequence(full, positions, kept), mm_encoder_outputs=encoder_outputs), sizes
+
+    @torch.inference_mode()
+    def build_tower_merged_inputs(
+        self,
+        prompt: str,
+        video: DecodedVideo,
+        plan: ResizePlan,
+        schedule: dict[int, list[int]],
+        merge,
+        count,
+        pairs=None,
+    ) -> tuple[dict, TowerReducer]:
+        """Inputs for `plan` with its visual tokens merged inside the vision tower: after each block
+        of `schedule` (block -> units each frame pair keeps after it) by `merge`
+        (`baselines/illava.merge_units`), the work wrapped by `count` (`CountedCall` factory). Kept
+        units keep their M-RoPE positions; returns (inputs for `generate`, the reducer, whose
+        `origin`, `sizes` and `block_units` describe what it kept)."""
+        full = self.build_inputs(prompt, video, plan, pairs)
+        positions = self.full_positions(full)
+        visual = self.model.model.visual
+        reducer = TowerReducer(visual, schedule, list(plan.pair_tokens), self.vision_rotary, merge, count)
+        with reducer.attached():
+            encoded = visual(
+                full["pixel_values_videos"].type(visual.dtype), grid_thw=full["video_grid_thw"], return_dict=True
+            )
+        reducer.block_units.append(int(reducer.origin.shape[0]))  # the merger's
+        taps = list(visual.deepstack_visual_indexes)
+        deepstack = reducer.follow(list(encoded.deepstack_features), taps)
+        outputs = dict(pooler_output=[encoded.pooler_output], deepstack_features=[[d] for d in deepstack])
+        encoder_outputs = {"video": type(encoded)(**outputs)}
+        return dict(compressed_sequence(full, positions, reducer.origin), mm_encoder_outputs=encoder_outputs), reducer
 
     def question_embeddings(self, text: str) -> torch.Tensor:
         """(M, D) the LLM's input embeddings of the M tokens of `text` (no special tokens; M = 0 for

@@ -46,7 +46,8 @@ class VisionDims:
     """The vision tower: D = hidden, I = intermediate, p = patch, m = merge, tp = temporal patch;
     window_px: Qwen2.5-VL's attention window in pixels (None: every block attends per temporal
     patch); full_blocks: blocks that attend per temporal patch anyway; deepstack: extra mergers;
-    heads: attention heads (head size D / heads). For the parameter count (`memory.py`):
+    heads: attention heads (head size D / heads); deepstack_taps: the blocks the DeepStack mergers
+    read (Qwen3-VL's `deepstack_visual_indexes`). For the parameter count (`memory.py`):
     position_embeddings: rows of Qwen3-VL's learned position table; layer_norm: LayerNorms with
     a bias (Qwen3-VL) instead of RMSNorms; patch_bias: the patch embedding's bias."""
 
@@ -66,6 +67,7 @@ class VisionDims:
     position_embeddings: int = 0
     layer_norm: bool = False
     patch_bias: bool = False
+    deepstack_taps: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -131,6 +133,7 @@ def dims_from_config(config) -> BackboneDims:
             position_embeddings=0 if qwen25 else vision.get("num_position_embeddings", 2304),
             layer_norm=not qwen25,
             patch_bias=not qwen25,
+            deepstack_taps=tuple(vision.get("deepstack_visual_indexes", ())),
         ),
         TextDims(
             hidden=text["hidden_size"],
@@ -179,8 +182,12 @@ def block_segments(v: VisionDims, grid: tuple[int, int, int], block: int) -> lis
     return segments(v, grid, v.window_px is not None and block not in v.full_blocks)
 
 
-def vision_flops(v: VisionDims, grids) -> tuple[int, int]:
-    """(linear, attention) FLOPs of the vision tower over merged-token grids (t, h, w)."""
+def vision_flops(v: VisionDims, grids, tower: tuple[tuple[int, ...], ...] | None = None) -> tuple[int, int]:
+    """(linear, attention) FLOPs of the vision tower over merged-token grids (t, h, w); `tower`: the
+    merge units of each frame pair entering each block, then the merger's, for a method that merges
+    inside the tower (`kinds.InTowerMerger`; None: every block sees every patch)."""
+    if tower is not None:
+        return merged_tower_flops(v, grids, tower)
     linear = attention = 0
     unit = v.merge**2
     for grid in grids:
@@ -188,11 +195,43 @@ def vision_flops(v: VisionDims, grids) -> tuple[int, int]:
         units = t * h * w
         patches = units * unit
         linear += 2 * patches * v.in_channels * v.temporal_patch * v.patch**2 * v.hidden
-        mlp = (3 if v.gated_mlp else 2) * v.hidden * v.intermediate
-        linear += v.depth * 2 * patches * (4 * v.hidden**2 + mlp)
-        linear += (1 + v.deepstack) * 2 * units * unit * v.hidden * (unit * v.hidden + v.out_hidden)
+        linear += v.depth * 2 * patches * block_linear(v)
+        linear += (1 + v.deepstack) * merger_flops(v, units)
         attention += sum(4 * v.hidden * sum(s * s for s in block_segments(v, grid, b)) for b in range(v.depth))
     return linear, attention
+
+
+def block_linear(v: VisionDims) -> int:
+    """Linear FLOPs of one patch through one vision block (q, k, v, o and the MLP), per multiply-add pair."""
+    return 4 * v.hidden**2 + (3 if v.gated_mlp else 2) * v.hidden * v.intermediate
+
+
+def merger_flops(v: VisionDims, units: int) -> int:
+    """One merger (or DeepStack merger) over `units` merge units."""
+    unit = v.merge**2
+    return 2 * units * unit * v.hidden * (unit * v.hidden + v.out_hidden)
+
+
+def merged_tower_flops(v: VisionDims, grids, tower: tuple[tuple[int, ...], ...]) -> tuple[int, int]:
+    """`vision_flops` of a tower that merges units between blocks (every block attends per frame
+    pair: Qwen3-VL): the patch embedding over every patch, block b over `tower[b]`, the merger over
+    `tower[depth]` and the DeepStack merger after block t over `tower[t + 1]`."""
+    if v.window_px is not None:
+        raise ValueError("merging inside a windowed tower (Qwen2.5-VL) is not counted")
+    unit = v.merge**2
+    patches = sum(t * h * w for t, h, w in grids) * unit
+    linear = 2 * patches * v.in_channels * v.temporal_patch * v.patch**2 * v.hidden
+    linear += sum(2 * sum(units) * unit * block_linear(v) for units in tower[: v.depth])
+    linear += merger_flops(v, sum(tower[v.depth])) + sum(merger_flops(v, sum(tower[t + 1])) for t in v.deepstack_taps)
+    attention = sum(4 * v.hidden * sum((u * unit) ** 2 for u in units) for units in tower[: v.depth])
+    return linear, attention
+
+
+def tower_attention(v: VisionDims, units: tuple[int, ...]) -> int:
+    """One vision block's attention recomputed eagerly over frame pairs of `units` merge units: its
+    qkv projection 2 P 3 D^2 and QK^T 2 D L_s^2 per pair (`vision_attention.received_attention_and_keys`)."""
+    unit = v.merge**2
+    return 2 * sum(units) * unit * 3 * v.hidden**2 + sum(2 * v.hidden * (u * unit) ** 2 for u in units)
 
 
 # ---------------------------------------------------------------------- LLM
@@ -313,14 +352,16 @@ def sample_flops(
     compressor: int | None = None,
     allocator: int = 0,
     decode_keys_dropped: int = 0,
+    tower: tuple[tuple[int, ...], ...] | None = None,
 ) -> SampleFlops:
     """FLOPs of one sample: the vision tower over the planned `grids` (t, h, w merged tokens, the
     vanilla ones for a token compressor), the LLM over the `prompt_tokens` that entered it (or
     that many in each layer) and `output_tokens` generated (less `decode_keys_dropped` key columns
     a decoding-time pruner kept the steps from), the `method`'s own work at `retention`
     (`compressor`: its compressor's counted FLOPs, see `method_flops`) and the Allocator's
-    `allocator` FLOPs."""
-    vision, vision_attention = vision_flops(dims.vision, grids)
+    `allocator` FLOPs; `tower`: the units each vision block sees, for a method that merges inside
+    the tower (`TokenBudget.tower`)."""
+    vision, vision_attention = vision_flops(dims.vision, grids, tower)
     prefill, attention = prefill_flops(dims.text, prompt_tokens)
     return SampleFlops(
         vision=vision,
