@@ -446,8 +446,12 @@ def check_all(args, video: str) -> tuple[list[Run], list[str]]:
             notes.append(
                 f"{backbone_name}, {attn}: model built or loaded and warmed up in {time.perf_counter() - start:.0f} s"
             )
+            family = REAL_WIDTH[backbone_name]
+            skipped = [m for m in methods if family not in METHODS[m].kind.families]
+            if skipped:
+                notes.append(f"{backbone_name}: {', '.join(skipped)} not run (they stop at start on {family})")
             for frames in args.frames:
-                for method in methods:
+                for method in (m for m in methods if m not in skipped):
                     try:
                         run = run_configuration(backbone, backbone_name, attn, method, frames, args, video)
                     except Exception as exc:  # e.g. CUDA out of memory: this row fails, the others go on

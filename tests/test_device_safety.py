@@ -324,6 +324,34 @@ def test_received_attention_and_keys_stay_on_the_vision_tower_s_device(tiny_mode
     assert received.shape == (captured["hidden_states"].shape[0] // unit,) and keys.shape[0] == received.shape[0]
 
 
+def test_the_tower_merges_units_on_the_vision_tower_s_device(tiny_models):
+    """iLLaVA's merge between Qwen3-VL's vision blocks (`TowerReducer._merge`, on a block's captured
+    input: two frame pairs of 4 units): the recomputed attention, the unit merge, the kept units'
+    segments and rotary rows, and a DeepStack feature it follows."""
+    from resadapt_eval.backbones.qwen import ADAPTERS
+    from resadapt_eval.backbones.tower_reduction import TowerReducer
+    from resadapt_eval.baselines import illava
+
+    model, captured = tiny_models["qwen3vl"]
+    with fake_cuda():
+        visual = fake_cuda_copy(model.model.visual)
+        reducer = TowerReducer(
+            visual, {0: [2, 3]}, [4, 4], ADAPTERS["qwen3vl"].vision_rotary, illava.merge_units, lambda fn: fn
+        )
+        reducer._captured = dict(
+            module=visual.blocks[-1].attn,
+            hidden_states=captured["hidden_states"].to("cuda"),
+            cu_seqlens=captured["cu_seqlens"].to("cuda"),
+            position_embeddings=tuple(t.to("cuda") for t in captured["position_embeddings"]),
+        )
+        reducer.origin = torch.arange(8, device="cuda")
+        reducer.sizes = torch.ones_like(reducer.origin)
+        hidden = reducer._merge(0, captured["hidden_states"].to("cuda"))
+        (tapped,) = reducer.follow([torch.randn(8, 5, device="cuda")], [-1])
+        cu_seqlens, (cos, sin) = reducer._state
+    assert on_fake_cuda(hidden, tapped, reducer.origin, reducer.sizes, cu_seqlens, cos, sin)
+
+
 def text_inputs(model, length: int):
     """Fake CUDA hidden states (1, L, H), M-RoPE positions (3, 1, L) and rotary (cos, sin) of `model`'s LLM."""
     hidden = torch.randn(1, length, model.config.text_config.hidden_size, device="cuda")

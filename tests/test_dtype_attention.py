@@ -105,6 +105,14 @@ def answer(adapter, name: str, request: Request) -> Run:
 
         spied = dataclasses.replace(method.compressor, compress=compress)
         pipeline.spec = dataclasses.replace(pipeline.spec, method=dataclasses.replace(method, compressor=spied))
+    if method.tower_merge is not None:  # the merges inside the vision tower, as `compressions`
+
+        def merge(*args):
+            compressions.append(method.tower_merge.merge(*args))
+            return compressions[-1]
+
+        spied = dataclasses.replace(method.tower_merge, merge=merge)
+        pipeline.spec = dataclasses.replace(pipeline.spec, method=dataclasses.replace(method, tower_merge=spied))
     generate_batch, generate_ids = adapter.generate_batch, adapter.generate_ids
 
     def spy_batch(built, kwargs):
@@ -145,12 +153,15 @@ def runs(variant_adapters, fixtures_dir):
     return get
 
 
-def hf_method(name: str):
-    """The registered method, or a skip for one the registry runs on vLLM only."""
+def hf_method(name: str, backbone: str):
+    """The registered method, or a skip for one the registry runs on vLLM only or not on `backbone`
+    (which stops at start: tests/test_retention_floors.py)."""
     method = METHODS[name]
     if not method.hf:
         assert method.stage == IN_ENGINE and method.vllm
         pytest.skip(f"method={name} acts {method.stage.replace('_', ' ')}: the registry runs it on vLLM only")
+    if backbone not in method.kind.families:
+        pytest.skip(f"method={name} runs on {', '.join(method.kind.families)} only")
     return method
 
 
@@ -162,7 +173,7 @@ def visual_kept(pruner: LayerPruner) -> dict[int, list[int]]:
 @pytest.mark.parametrize("backbone", BACKBONES)
 @pytest.mark.parametrize("name", list(METHODS))
 def test_plans_visual_tokens_and_r_are_the_same_in_all_four_variants(runs, name, backbone):
-    method = hf_method(name)
+    method = hf_method(name, backbone)
     out = runs(name, backbone)
 
     def budget(run: Run):
@@ -180,6 +191,8 @@ def test_plans_visual_tokens_and_r_are_the_same_in_all_four_variants(runs, name,
         if method.compress is not None:
             (compression,) = run.compressions
             assert len(compression.kept) == record.visual_tokens == len(record.merged_sizes), variant
+        if method.tower_merge is not None:  # the last merge's survivors enter the LLM
+            assert len(run.compressions[-1].survivors) == record.visual_tokens == len(record.merged_sizes), variant
         if isinstance(run.pruner, LayerPruner):
             assert visual_kept(run.pruner), variant  # a stage ran
             for layer, kept in visual_kept(run.pruner).items():
@@ -193,11 +206,13 @@ def test_plans_visual_tokens_and_r_are_the_same_in_all_four_variants(runs, name,
 @pytest.mark.parametrize("backbone", BACKBONES)
 @pytest.mark.parametrize("name", list(METHODS))
 def test_in_float32_eager_and_sdpa_keep_the_same_tokens_and_agree_on_the_first_logits(runs, name, backbone):
-    hf_method(name)
+    hf_method(name, backbone)
     out = runs(name, backbone)
     eager, sdpa = out["float32", "eager"], out["float32", "sdpa"]
     for ours, theirs in zip(eager.compressions, sdpa.compressions, strict=True):
         assert torch.equal(ours.assignment, theirs.assignment)
+        if getattr(ours, "survivors", None) is not None:
+            assert torch.equal(ours.survivors, theirs.survivors)
         if ours.weights is not None:
             torch.testing.assert_close(ours.weights, theirs.weights, atol=1e-6, rtol=0)
     if isinstance(eager.pruner, LayerPruner):

@@ -1,0 +1,78 @@
+"""Merging inside the vision tower (iLLaVA, `kinds.InTowerMerger`) on the tiny Qwen3-VL: exact budgets,
+positions, the tower's FLOPs by block, and R = 1 equal to vanilla."""
+
+import pytest
+import torch
+
+from resadapt_eval.budget.policies import BudgetSpec
+from resadapt_eval.compute.flops import dims_from_config, load_dims, vision_flops
+from resadapt_eval.estimates import row_flops
+from resadapt_eval.kinds import IN_TOWER_MERGER
+from resadapt_eval.methods import get_method
+from resadapt_eval.pipeline import VideoPipeline, VideoPipelineConfig
+
+from .helpers import first_logits_and_text, vanilla_setup, video_request
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+@pytest.mark.parametrize("retention", [0.5, 0.25, 0.1])
+def test_the_llm_gets_floor_r_n_tokens_and_the_tower_s_blocks_count_what_they_held(adapters, fixtures_dir, retention):
+    adapter = adapters["qwen3vl"]
+    config = VideoPipelineConfig(method="illava", max_num_frames=16, budget=BudgetSpec(retention=retention))
+    _, record = VideoPipeline(adapter, config).run(video_request(adapter, fixtures_dir))
+    _, vanilla = VideoPipeline(adapter, VideoPipelineConfig(method="vanilla", max_num_frames=16)).run(
+        video_request(adapter, fixtures_dir)
+    )
+    assert record.error is None
+    n = record.reference_tokens
+    assert record.visual_tokens == len(record.merged_sizes) == int(retention * n + 1e-9)
+    assert sum(record.merged_sizes) == n  # every unit is averaged into a kept one
+    assert record.achieved_retention == record.visual_tokens / n
+    # block 0 sees every patch, block 1 (after the merge) and the merger the kept units' patches
+    assert record.tower_tokens == [4 * n, 4 * record.visual_tokens, 4 * record.visual_tokens]
+    dims = dims_from_config(adapter.model.config)
+    grids = [tuple(g) for g in record.grids]
+    rows = IN_TOWER_MERGER.tower_rows(get_method("illava"), dims, [t * h * w for t, h, w in grids], retention)
+    assert (record.vision_flops, record.vision_attention_flops) == vision_flops(dims.vision, grids, rows)
+    assert record.vision_flops + record.vision_attention_flops < vanilla.vision_flops + vanilla.vision_attention_flops
+    # the counted ranking work equals the formula the config-only rows use
+    assert record.method_flops == IN_TOWER_MERGER.own_flops(get_method("illava"), dims, grids, retention, None) > 0
+
+
+def test_at_r_1_it_is_vanilla_and_kept_tokens_keep_their_positions(adapters):
+    adapter = adapters["qwen3vl"]
+    prompt, video, plan = vanilla_setup(adapter)
+    spec_units = list(plan.pair_tokens)
+    full = adapter.build_inputs(prompt, video, plan)
+    positions = adapter.full_positions(full)
+
+    def merged(after):
+        return adapter.build_tower_merged_inputs(
+            prompt, video, plan, {0: after}, get_method("illava").tower_merge.merge, lambda fn: fn
+        )
+
+    same, reducer = merged(spec_units)
+    assert torch.equal(reducer.origin, torch.arange(sum(spec_units)))
+    logits, text = first_logits_and_text(adapter, same)
+    vanilla_logits, vanilla_text = first_logits_and_text(adapter, full)
+    assert torch.equal(text, vanilla_text)
+    torch.testing.assert_close(logits, vanilla_logits, atol=1e-5, rtol=0)
+
+    half, reducer = merged([max(1, n // 2) for n in spec_units])
+    video_at = torch.nonzero(full["mm_token_type_ids"][0] == 2).flatten()
+    kept_at = torch.nonzero(half["mm_token_type_ids"][0] == 2).flatten()
+    torch.testing.assert_close(half["position_ids"][..., kept_at], positions[..., video_at[reducer.origin]])
+
+
+def test_a_7b_and_8b_row_from_configs_shows_the_tower_s_savings():
+    """`resadapt-eval flops` from configs alone: iLLaVA's vision FLOPs below vanilla's at the same
+    frames on Qwen3-VL-8B; Qwen2.5-VL-7B stops at start."""
+    dims = load_dims("qwen3vl-8b")
+    vanilla, tokens = row_flops(dims, "vanilla", 32, (720, 1280))
+    merged, kept = row_flops(dims, "illava", 32, (720, 1280), retention=0.25)
+    assert kept == int(0.25 * tokens)
+    assert merged.vision + merged.vision_attention < 0.7 * (vanilla.vision + vanilla.vision_attention)
+    assert merged.method > 0
+    with pytest.raises(ValueError, match="merging inside a windowed tower"):
+        row_flops(load_dims("qwen25vl-7b"), "illava", 32, (720, 1280), retention=0.25)
