@@ -6,7 +6,7 @@ import torch
 
 from resadapt_eval.budget.policies import BudgetSpec
 from resadapt_eval.compute.flops import dims_from_config, load_dims, vision_flops
-from resadapt_eval.estimates import row_flops
+from resadapt_eval.estimates import row_flops, row_memory
 from resadapt_eval.kinds import IN_TOWER_MERGER
 from resadapt_eval.methods import get_method
 from resadapt_eval.pipeline import VideoPipeline, VideoPipelineConfig
@@ -74,5 +74,9 @@ def test_a_7b_and_8b_row_from_configs_shows_the_tower_s_savings():
     assert kept == int(0.25 * tokens)
     assert merged.vision + merged.vision_attention < 0.7 * (vanilla.vision + vanilla.vision_attention)
     assert merged.method > 0
-    with pytest.raises(ValueError, match="merging inside a windowed tower"):
+    # `flops --memory`: the tower runs before the LLM, with its ranking's attention rows beside it
+    memory, _ = row_memory(dims, "illava", 32, (720, 1280), retention=0.25)
+    plain, _ = row_memory(dims, "vanilla", 32, (720, 1280))
+    assert memory.extra_encoding > 0 and not memory.tower_in_generate and memory.kv < plain.kv
+    with pytest.raises(ValueError, match="merging inside the vision tower runs on Qwen3-VL only"):
         row_flops(load_dims("qwen25vl-7b"), "illava", 32, (720, 1280), retention=0.25)

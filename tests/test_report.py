@@ -142,10 +142,17 @@ def test_plots_one_pareto_line_per_method(run_dir, tmp_path):
     compute = pareto_lines(runs, "resadapt_smoke_videoqa", 8, axis="tflops")
     assert sorted(compute) == sorted(lines) and all(len(compute[m]) == len(lines[m]) for m in lines)
     assert max(x for x, _ in compute["fixed_scale"]) < compute["vanilla"][0][0]
+    # on the vision tower's axis too: resizing saves encoder work, its cells' mean vision FLOPs
+    vision = pareto_lines(runs, "resadapt_smoke_videoqa", 8, axis="vision_tflops")
+    assert max(x for x, _ in vision["fixed_scale"]) < vision["vanilla"][0][0] < compute["vanilla"][0][0]
+    (vanilla_cell,) = [r for r in runs if r.method == "vanilla"]
+    flops = [r["vision_flops"] + r["vision_attention_flops"] for r in vanilla_cell.records if r["error"] is None]
+    assert vision["vanilla"][0][0] == sum(flops) / len(flops) / 1e12
     written = write_plots(runs, tmp_path)
     names = {p.name for p in written}
     assert {"pareto_resadapt_smoke_videoqa_f8.png", "pareto_resadapt_smoke_videoqa_f8.pdf"} <= names
     assert {"pareto_tflops_resadapt_smoke_videoqa_f8.png", "pareto_tflops_resadapt_smoke_videoqa_f8.pdf"} <= names
+    assert "pareto_vision_tflops_resadapt_smoke_videoqa_f8.png" in names
     assert any(n.startswith("scales_resadapt") for n in names) and any(n.startswith("heatmap_resadapt") for n in names)
     assert all(p.stat().st_size > 1000 for p in written)
 

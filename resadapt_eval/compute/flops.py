@@ -217,7 +217,7 @@ def merged_tower_flops(v: VisionDims, grids, tower: tuple[tuple[int, ...], ...])
     pair: Qwen3-VL): the patch embedding over every patch, block b over `tower[b]`, the merger over
     `tower[depth]` and the DeepStack merger after block t over `tower[t + 1]`."""
     if v.window_px is not None:
-        raise ValueError("merging inside a windowed tower (Qwen2.5-VL) is not counted")
+        raise ValueError("a method merging inside the vision tower runs on Qwen3-VL only (Qwen2.5-VL's windows)")
     unit = v.merge**2
     patches = sum(t * h * w for t, h, w in grids) * unit
     linear = 2 * patches * v.in_channels * v.temporal_patch * v.patch**2 * v.hidden

@@ -270,6 +270,9 @@ def sample_memory(
         encoding += method.compressor.working_bytes(sizes, v.out_hidden, b)
     if method.needs_attention:
         encoding += recompute_bytes(v, plan.grids, dtype)
+    if method.tower_merge is not None:  # the first merging block's recomputed attention (it sees every
+        # unit, as the last block does on Qwen3-VL) and the merge's float32 copies of its output
+        encoding += recompute_bytes(v, plan.grids, dtype) + 3 * patches(v, plan.grids) * v.hidden * F32
     inside = 0  # the stages run one after another: the largest
     if method.adaptive_prune is not None:  # its merging or ranking layer, over the whole prompt at most
         inside = method.adaptive_prune.working_bytes(dims.text, prompt[0], plan.visual, b)
@@ -285,7 +288,7 @@ def sample_memory(
         extra_encoding=encoding,
         extra_llm=inside,
         allocator=allocator_bytes,
-        tower_in_generate=method.compress is None,
+        tower_in_generate=method.compress is None and method.tower_merge is None,
     )
 
 

@@ -107,6 +107,16 @@ class CellRun:
         ]
         return sum(flops) / len(flops) / 1e12 if flops else None
 
+    def vision_tflops(self) -> float | None:
+        """Mean TFLOPs of the vision tower's own layers (blocks, attention and mergers) per successful
+        sample, from the sidecar's `vision_flops` and `vision_attention_flops`; None without them."""
+        flops = [
+            r["vision_flops"] + r["vision_attention_flops"]
+            for r in self.records
+            if r["error"] is None and "vision_flops" in r and "vision_attention_flops" in r
+        ]
+        return sum(flops) / len(flops) / 1e12 if flops else None
+
     @property
     def untrained(self) -> bool:
         """The cell ran the untrained Allocator (`allocator=untrained`)."""

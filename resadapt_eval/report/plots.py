@@ -29,6 +29,7 @@ def _save(fig, out: Path, stem: str) -> list[Path]:
 AXES = {  # x axis of a Pareto plot: its label and how a cell is placed on it
     "retention": ("achieved retention R (visual tokens / vanilla)", lambda run: run.achieved_retention()),
     "tflops": ("TFLOPs per sample (vision tower, LLM, a method's own work, Allocator)", lambda run: run.tflops()),
+    "vision_tflops": ("vision-tower TFLOPs per sample (its blocks and mergers)", lambda run: run.vision_tflops()),
 }
 
 
@@ -51,15 +52,18 @@ def pareto_lines(
 
 
 def pareto(runs: list[CellRun], out: Path) -> list[Path]:
-    """One figure per (column, frames, axis): score vs achieved R (`pareto_*`) and vs TFLOPs per
-    sample (`pareto_tflops_*`, where the records carry FLOPs), a line per method."""
+    """One figure per (column, frames, axis): score vs achieved R (`pareto_*`), vs TFLOPs per sample
+    (`pareto_tflops_*`) and vs the vision tower's TFLOPs per sample (`pareto_vision_tflops_*`: where
+    resizing and merging inside the tower save encoder work), the last two where the records carry
+    FLOPs; a line per method."""
     written = []
     columns = list(dict.fromkeys(c for r in runs for c in r.scores))
     for col in columns:
         for frames in sorted({r.frames for r in runs}):
             written += _save(pareto_figure(runs, col, frames), out, f"pareto_{col}_f{frames}")
-            if pareto_lines(runs, col, frames, "tflops"):
-                written += _save(pareto_figure(runs, col, frames, "tflops"), out, f"pareto_tflops_{col}_f{frames}")
+            for axis in ("tflops", "vision_tflops"):
+                if pareto_lines(runs, col, frames, axis):
+                    written += _save(pareto_figure(runs, col, frames, axis), out, f"pareto_{axis}_{col}_f{frames}")
     return written
 
 
