@@ -40,7 +40,7 @@ from .baselines.inside_llm import entering_tokens, layer_counts
 from .budget import policies
 from .budget.plan import InfeasibleBudget, ResizePlan, pair_frames
 from .budget.tokens import TokenBudget, engine_kept_tokens
-from .compute.flops import ENGINE_PRUNING, BackboneDims, recomputed_attention, tower_attention
+from .compute.flops import ENGINE_PRUNING, BackboneDims, TowerCounts, recomputed_attention, tower_attention
 from .measure.clock import peak_memory_mb, reset_peak_memory
 from .measure.counting import CountedCall
 
@@ -653,27 +653,34 @@ class InTowerMerger(InModel):
         return COMPRESSOR.retention_floor(spec, planner, dims)
 
     @staticmethod
-    def tower_rows(method, dims: BackboneDims, pair_units: list[int], retention: float) -> tuple[tuple[int, ...], ...]:
-        """The units of each frame pair entering each vision block, then the merger's."""
-        merging, depth = method.tower_merge, dims.vision.depth
-        layers = merging.default_layers(depth)
+    def tower_counts(method, dims: BackboneDims, pair_units: list[int], retention: float) -> TowerCounts:
+        """What the tower runs on frame pairs of `pair_units` merge units: each pair's share of
+        floor(R N) units (`per_pair_budget`), reached over the merging blocks (`layer_counts`)."""
+        merging, vision = method.tower_merge, dims.vision
+        unit, layers = vision.merge**2, merging.default_layers(vision.depth)
         keeps = per_pair_budget(pair_units, kept_count(retention, sum(pair_units), len(pair_units)))
         paths = [merging.layer_counts(n, k, len(layers)) for n, k in zip(pair_units, keeps)]
-        rows, current = [], tuple(pair_units)
-        for block in range(depth):
-            rows.append(current)
+        units, current = [], tuple(pair_units)  # units entering each block, then the merger
+        for block in range(vision.depth):
+            units.append(current)
             if block in layers:
                 current = tuple(path[layers.index(block)] for path in paths)
-        return (*rows, current)
+        units.append(current)
+        return TowerCounts(
+            tuple(tuple(n * unit for n in row) for row in units[:-1]),
+            tuple(sum(units[tap + 1]) * unit for tap in vision.deepstack_taps),  # a tap reads its block's merged output
+            sum(current) * unit,
+        )
 
     def token_budget(self, spec, plans, reference, dims) -> TokenBudget:
         (plan,) = plans
-        rows = self.tower_rows(spec.method, dims, list(plan.pair_tokens), spec.retention)
-        return TokenBudget(reference, sum(rows[-1]), share=spec.retention, tower=rows)
+        tower = self.tower_counts(spec.method, dims, list(plan.pair_tokens), spec.retention)
+        return TokenBudget(reference, tower.merger // dims.vision.merge**2, share=spec.retention, tower=tower)
 
     def build(self, spec, backbone, request, video, plan, pairs, budget) -> ModelInputs:
-        method, timer, rows = spec.method, backbone.vision_timer, budget.tower
-        schedule = {block: list(rows[block + 1]) for block in range(len(rows) - 1) if rows[block + 1] != rows[block]}
+        method, timer, blocks, unit = spec.method, backbone.vision_timer, budget.tower.blocks, backbone.merge_unit
+        after = [*blocks[1:], None]  # what each block hands on: the next block's input (the last's: the merger's)
+        schedule = {b: [n // unit for n in after[b]] for b in range(len(blocks) - 1) if after[b] != blocks[b]}
         reset_peak_memory(backbone.device)  # the tower runs here, before the engine call
         with timer.recording():
             inputs, reducer = backbone.build_tower_merged_inputs(
@@ -685,21 +692,23 @@ class InTowerMerger(InModel):
                 lambda fn: CountedCall(fn, timer.stopwatch),
                 pairs,
             )
-        held = [sum(row) for row in rows]
-        if reducer.block_units != held:
+        if [n * unit for n in reducer.block_units] != budget.tower.tokens:
             raise RuntimeError(
-                f"{method.name}: the tower's blocks held {reducer.block_units} units; the budget counts {held}"
+                f"{method.name}: the tower held {[n * unit for n in reducer.block_units]} patches; "
+                f"the budget counts {budget.tower.tokens}"
             )
         vision_s, peak = timer.take(), peak_memory_mb(backbone.device)
         return ModelInputs(inputs, tuple(reducer.sizes.tolist()), reducer.flops, vision_s, peak, reducer.seconds())
 
     def own_flops(self, method, dims, grids, retention, counted) -> int:
         """Counted in a run; from configs alone, the attention each merging block recomputes over the
-        units entering it (`flops.tower_attention`); the averages are not matmuls."""
+        patches entering it (`flops.tower_attention`); the averages are not matmuls."""
         if counted is not None:
             return counted
-        rows = self.tower_rows(method, dims, [t * h * w for t, h, w in grids], retention)
-        return sum(tower_attention(dims.vision, rows[b]) for b in range(dims.vision.depth) if rows[b + 1] != rows[b])
+        blocks = self.tower_counts(method, dims, [t * h * w for t, h, w in grids], retention).blocks
+        return sum(
+            tower_attention(dims.vision, blocks[b]) for b in range(len(blocks) - 1) if blocks[b + 1] != blocks[b]
+        )
 
 
 RESIZE_POLICY = ResizePolicy()

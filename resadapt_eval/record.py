@@ -247,7 +247,7 @@ def build_record(
             record.vision_s = engine.vision_s + built.vision_s
         dims = dims_from_config(layout.config)
         if budget.tower is not None:  # patches entering each vision block, then the merger
-            record.tower_tokens = [sum(row) * dims.vision.merge**2 for row in budget.tower]
+            record.tower_tokens = budget.tower.tokens
         flops = sample_flops(
             dims,
             spec.method,

@@ -33,8 +33,8 @@ def test_the_llm_gets_floor_r_n_tokens_and_the_tower_s_blocks_count_what_they_he
     assert record.tower_tokens == [4 * n, 4 * record.visual_tokens, 4 * record.visual_tokens]
     dims = dims_from_config(adapter.model.config)
     grids = [tuple(g) for g in record.grids]
-    rows = IN_TOWER_MERGER.tower_rows(get_method("illava"), dims, [t * h * w for t, h, w in grids], retention)
-    assert (record.vision_flops, record.vision_attention_flops) == vision_flops(dims.vision, grids, rows)
+    tower = IN_TOWER_MERGER.tower_counts(get_method("illava"), dims, [t * h * w for t, h, w in grids], retention)
+    assert (record.vision_flops, record.vision_attention_flops) == vision_flops(dims.vision, grids, tower)
     assert record.vision_flops + record.vision_attention_flops < vanilla.vision_flops + vanilla.vision_attention_flops
     # the counted ranking work equals the formula the config-only rows use
     assert record.method_flops == IN_TOWER_MERGER.own_flops(get_method("illava"), dims, grids, retention, None) > 0
@@ -78,5 +78,5 @@ def test_a_7b_and_8b_row_from_configs_shows_the_tower_s_savings():
     memory, _ = row_memory(dims, "illava", 32, (720, 1280), retention=0.25)
     plain, _ = row_memory(dims, "vanilla", 32, (720, 1280))
     assert memory.extra_encoding > 0 and not memory.tower_in_generate and memory.kv < plain.kv
-    with pytest.raises(ValueError, match="merging inside the vision tower runs on Qwen3-VL only"):
+    with pytest.raises(ValueError, match="reducing tokens inside the vision tower runs on Qwen3-VL only"):
         row_flops(load_dims("qwen25vl-7b"), "illava", 32, (720, 1280), retention=0.25)

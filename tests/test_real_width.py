@@ -258,8 +258,8 @@ def check_flops(record: dict, folder, backbone: str, method: str, target: float 
         assert allocator == 0
     tower = None
     if spec.tower_merge is not None:  # the units each vision block saw, from the record's own counts
-        tower = spec.kind.tower_rows(spec, dims, [t * h * w for t, h, w in grids], target)
-        assert [sum(row) * dims.vision.merge**2 for row in tower] == record["tower_tokens"]
+        tower = spec.kind.tower_counts(spec, dims, [t * h * w for t, h, w in grids], target)
+        assert tower.tokens == record["tower_tokens"]
     expected = sample_flops(
         dims,
         spec,

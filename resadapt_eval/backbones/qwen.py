@@ -203,6 +203,11 @@ class QwenVideoAdapter:
         encoder_outputs = {"video": type(encoded)(**outputs)}
         return dict(compressed_sequence(full, positions, kept), mm_encoder_outputs=encoder_outputs), sizes
 
+    @property
+    def merge_unit(self) -> int:
+        """Patches of one merge unit (one LLM token): spatial_merge_size^2."""
+        return self.model.config.vision_config.spatial_merge_size**2
+
     @torch.inference_mode()
     def build_tower_merged_inputs(
         self,

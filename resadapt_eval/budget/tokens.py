@@ -21,9 +21,9 @@ class TokenBudget:
     LLM (None: `entering` in every layer); share: what a compressor is asked to keep, as a share of
     the encoded tokens (None without a compressor); stages: the in-LLM pruning schedule
     (`inside_llm.Stage`s, empty without one); decode_stage: a decoding-time pruner's
-    `baselines.inside_llm.DecodeStage` (None without one); tower: for a method that merges inside
-    the vision tower, the merge units of each frame pair entering each vision block, then the
-    merger's (None: every block sees every unit)."""
+    `baselines.inside_llm.DecodeStage` (None without one); tower: for a method that reduces tokens
+    inside the vision tower, what its blocks and mergers ran (`compute.flops.TowerCounts`; None:
+    every block sees every patch)."""
 
     reference: int
     entering: int
@@ -31,7 +31,7 @@ class TokenBudget:
     share: float | None = None
     stages: tuple = ()
     decode_stage: object | None = None
-    tower: tuple[tuple[int, ...], ...] | None = None
+    tower: object | None = None
 
     @property
     def layer_average(self) -> int | float:

@@ -182,10 +182,10 @@ def block_segments(v: VisionDims, grid: tuple[int, int, int], block: int) -> lis
     return segments(v, grid, v.window_px is not None and block not in v.full_blocks)
 
 
-def vision_flops(v: VisionDims, grids, tower: tuple[tuple[int, ...], ...] | None = None) -> tuple[int, int]:
-    """(linear, attention) FLOPs of the vision tower over merged-token grids (t, h, w); `tower`: the
-    merge units of each frame pair entering each block, then the merger's, for a method that merges
-    inside the tower (`kinds.InTowerMerger`; None: every block sees every patch)."""
+def vision_flops(v: VisionDims, grids, tower: TowerCounts | None = None) -> tuple[int, int]:
+    """(linear, attention) FLOPs of the vision tower over merged-token grids (t, h, w); `tower`: what
+    each block and merger ran, for a method that reduces tokens inside the tower (None: every block
+    sees every patch)."""
     if tower is not None:
         return merged_tower_flops(v, grids, tower)
     linear = attention = 0
@@ -212,26 +212,43 @@ def merger_flops(v: VisionDims, units: int) -> int:
     return 2 * units * unit * v.hidden * (unit * v.hidden + v.out_hidden)
 
 
-def merged_tower_flops(v: VisionDims, grids, tower: tuple[tuple[int, ...], ...]) -> tuple[int, int]:
-    """`vision_flops` of a tower that merges units between blocks (every block attends per frame
-    pair: Qwen3-VL): the patch embedding over every patch, block b over `tower[b]`, the merger over
-    `tower[depth]` and the DeepStack merger after block t over `tower[t + 1]`."""
+@dataclass(frozen=True)
+class TowerCounts:
+    """What a vision tower that reduces tokens between its blocks runs (Qwen3-VL: every block attends
+    per frame pair): blocks: the patches of each frame pair entering each block (its attention and
+    MLP); taps: the patches each DeepStack merger reads; merger: the patches the merger reads."""
+
+    blocks: tuple[tuple[int, ...], ...]
+    taps: tuple[int, ...]
+    merger: int
+
+    @property
+    def tokens(self) -> list[int]:
+        """Patches entering each block, then the merger's (a record's `tower_tokens`)."""
+        return [sum(block) for block in self.blocks] + [self.merger]
+
+
+def merged_tower_flops(v: VisionDims, grids, tower: TowerCounts) -> tuple[int, int]:
+    """`vision_flops` of a tower that reduces tokens between blocks: the patch embedding over every
+    patch, each block over its `tower.blocks` patches, the mergers over theirs."""
     if v.window_px is not None:
-        raise ValueError("a method merging inside the vision tower runs on Qwen3-VL only (Qwen2.5-VL's windows)")
+        raise ValueError(
+            "a method reducing tokens inside the vision tower runs on Qwen3-VL only (Qwen2.5-VL's windows)"
+        )
     unit = v.merge**2
     patches = sum(t * h * w for t, h, w in grids) * unit
     linear = 2 * patches * v.in_channels * v.temporal_patch * v.patch**2 * v.hidden
-    linear += sum(2 * sum(units) * unit * block_linear(v) for units in tower[: v.depth])
-    linear += merger_flops(v, sum(tower[v.depth])) + sum(merger_flops(v, sum(tower[t + 1])) for t in v.deepstack_taps)
-    attention = sum(4 * v.hidden * sum((u * unit) ** 2 for u in units) for units in tower[: v.depth])
+    linear += sum(2 * sum(block) * block_linear(v) for block in tower.blocks)
+    linear += sum(merger_flops(v, n // unit) for n in (tower.merger, *tower.taps))
+    attention = sum(4 * v.hidden * sum(s * s for s in block) for block in tower.blocks)
     return linear, attention
 
 
-def tower_attention(v: VisionDims, units: tuple[int, ...]) -> int:
-    """One vision block's attention recomputed eagerly over frame pairs of `units` merge units: its
-    qkv projection 2 P 3 D^2 and QK^T 2 D L_s^2 per pair (`vision_attention.received_attention_and_keys`)."""
-    unit = v.merge**2
-    return 2 * sum(units) * unit * 3 * v.hidden**2 + sum(2 * v.hidden * (u * unit) ** 2 for u in units)
+def tower_attention(v: VisionDims, segments: tuple[int, ...]) -> int:
+    """One vision block's attention recomputed eagerly over attention segments of `segments`
+    patches: its qkv projection 2 P 3 D^2 and QK^T 2 D L_s^2 per segment
+    (`vision_attention.received_attention_and_keys`)."""
+    return 2 * sum(segments) * 3 * v.hidden**2 + sum(2 * v.hidden * s * s for s in segments)
 
 
 # ---------------------------------------------------------------------- LLM
@@ -352,7 +369,7 @@ def sample_flops(
     compressor: int | None = None,
     allocator: int = 0,
     decode_keys_dropped: int = 0,
-    tower: tuple[tuple[int, ...], ...] | None = None,
+    tower: TowerCounts | None = None,
 ) -> SampleFlops:
     """FLOPs of one sample: the vision tower over the planned `grids` (t, h, w merged tokens, the
     vanilla ones for a token compressor), the LLM over the `prompt_tokens` that entered it (or
