@@ -40,7 +40,14 @@ from .baselines.inside_llm import entering_tokens, layer_counts
 from .budget import policies
 from .budget.plan import InfeasibleBudget, ResizePlan, pair_frames
 from .budget.tokens import TokenBudget, engine_kept_tokens
-from .compute.flops import ENGINE_PRUNING, BackboneDims, TowerCounts, recomputed_attention, tower_attention
+from .compute.flops import (
+    ENGINE_PRUNING,
+    BackboneDims,
+    TowerCounts,
+    dims_from_config,
+    recomputed_attention,
+    tower_attention,
+)
 from .measure.clock import peak_memory_mb, reset_peak_memory
 from .measure.counting import CountedCall
 
@@ -59,7 +66,16 @@ INSIDE_TOWER = "inside_tower"  # merges visual tokens between vision-tower block
 STAGES = (BEFORE_ENCODER, INSIDE_TOWER, AFTER_MERGER, INSIDE_LLM, IN_ENGINE)
 
 # A method's algorithm slots (`methods.Method` fields); each kind says which it fills.
-SLOTS = ("policy", "compressor", "prune", "adaptive_prune", "decode_prune", "engine_pruning", "tower_merge")
+SLOTS = (
+    "policy",
+    "compressor",
+    "prune",
+    "adaptive_prune",
+    "decode_prune",
+    "engine_pruning",
+    "tower_merge",
+    "tower_prune",
+)
 
 FLOOR_PROBE_TOKENS = 10**7  # visual tokens: more than any request gives (`InLLMPruner.check_llm`)
 
@@ -639,14 +655,7 @@ class InTowerMerger(InModel):
 
     def check_llm(self, spec, dims) -> None:
         """Qwen3-VL's tower only, with at least one block before its last to merge after."""
-        vision = dims.vision
-        if vision.window_px is not None:
-            raise ValueError(
-                f"method={spec.method.name} merges inside the vision tower on Qwen3-VL only: Qwen2.5-VL's blocks "
-                "between its full-attention blocks attend in windows, which a merge would have to re-form (not ported)"
-            )
-        if not spec.method.tower_merge.default_layers(vision.depth):
-            raise ValueError(f"method={spec.method.name} needs a vision tower of 2 blocks at least, not {vision.depth}")
+        check_tower(spec, dims, "merges")
 
     def retention_floor(self, spec, planner, dims) -> RetentionFloor:
         """At least one unit per frame pair, as a compressor (`Compressor.retention_floor`)."""
@@ -711,6 +720,94 @@ class InTowerMerger(InModel):
         )
 
 
+class InTowerThenPruner(InLLMPruner):
+    """Prunes patches between vision-tower blocks and restores them where the mergers read them
+    (`backbones/tower_reduction.TowerPruner`; IPCV), saving the tower's work; every visual token
+    enters the LLM, whose stage (DART's, as IPCV's reference runs it) meets R, layer-averaged, as an
+    in-LLM pruner's does. Qwen3-VL only."""
+
+    name = "in-tower pruner plus in-LLM stage"
+    untimed_work = None
+    families = ("qwen3vl",)
+    slots = ("tower_prune", "prune")
+
+    def check_llm(self, spec, dims) -> None:
+        """Qwen3-VL's tower of 2 blocks at least; then the in-LLM stage's checks."""
+        check_tower(spec, dims, "prunes")
+        super().check_llm(spec, dims)
+
+    @staticmethod
+    def tower_counts(method, dims: BackboneDims, pair_units: list[int], retention: float) -> TowerCounts:
+        """What the tower runs on frame pairs of `pair_units` merge units at R: every patch up to
+        block K and in the restoring blocks after it, each pair's kept patches in the later ones,
+        every patch in the mergers."""
+        pruning, vision = method.tower_prune, dims.vision
+        patches = tuple(n * vision.merge**2 for n in pair_units)
+        kept = tuple(pruning.kept_patches(n, retention) for n in patches)
+        pruned, restoring = pruning.settings(vision.depth)
+        blocks = tuple(patches if b < pruned + restoring else kept for b in range(vision.depth))
+        return TowerCounts(blocks, (sum(patches),) * len(vision.deepstack_taps), sum(patches))
+
+    @staticmethod
+    def tower_flops(method, dims: BackboneDims, pair_units: list[int], retention: float) -> int:
+        """The neighbour search's FLOPs: every removed patch against every kept one."""
+        counts = InTowerThenPruner.tower_counts(method, dims, pair_units, retention)
+        kept = sum(counts.blocks[-1])
+        return method.tower_prune.distance_flops(counts.merger - kept, kept, dims.vision.hidden)
+
+    def token_budget(self, spec, plans, reference, dims) -> TokenBudget:
+        (plan,) = plans
+        budget = super().token_budget(spec, plans, reference, dims)
+        tower = self.tower_counts(spec.method, dims, list(plan.pair_tokens), spec.retention)
+        return dataclasses.replace(budget, tower=tower)
+
+    def build(self, spec, backbone, request, video, plan, pairs, budget) -> ModelInputs:
+        method, timer = spec.method, backbone.vision_timer
+        reset_peak_memory(backbone.device)  # the tower runs here, before the engine call
+        with timer.recording():
+            inputs, pruner = backbone.build_tower_pruned_inputs(
+                request.prompt,
+                video,
+                plan,
+                method.tower_prune,
+                [method.tower_prune.kept_patches(n, spec.retention) for n in budget.tower.blocks[0]],
+                lambda fn: CountedCall(fn, timer.stopwatch),
+                pairs,
+            )
+        if pruner.block_patches != budget.tower.tokens:
+            raise RuntimeError(
+                f"{method.name}: the tower held {pruner.block_patches} patches; the budget counts {budget.tower.tokens}"
+            )
+        expected = self.tower_flops(method, backbone_dims(backbone), list(plan.pair_tokens), spec.retention)
+        if pruner.flops != expected:
+            raise RuntimeError(f"{method.name}: the tower's pruning counted {pruner.flops} FLOPs, not {expected}")
+        vision_s, peak = timer.take(), peak_memory_mb(backbone.device)
+        return ModelInputs(backbone.pruned_inputs(inputs, budget.stages), None, 0, vision_s, peak, pruner.seconds())
+
+    def own_flops(self, method, dims, grids, retention, counted) -> int:
+        """The tower's neighbour search (`tower_flops`, checked against the count in a run) plus the
+        in-LLM stage's ranking (`counted`: as counted in a run, or `estimates.stage_flops`)."""
+        return self.tower_flops(method, dims, [t * h * w for t, h, w in grids], retention) + (counted or 0)
+
+
+def check_tower(spec, dims: BackboneDims, acts: str) -> None:
+    """Stop at start where a method cannot reduce tokens inside this vision tower: Qwen2.5-VL's (its
+    windowed blocks are not re-formed) or one of a single block."""
+    vision = dims.vision
+    if vision.window_px is not None:
+        raise ValueError(
+            f"method={spec.method.name} {acts} inside the vision tower on Qwen3-VL only: Qwen2.5-VL's blocks "
+            "between its full-attention blocks attend in windows, which it would have to re-form (not ported)"
+        )
+    if vision.depth < 2:
+        raise ValueError(f"method={spec.method.name} needs a vision tower of 2 blocks at least, not {vision.depth}")
+
+
+def backbone_dims(backbone) -> BackboneDims:
+    """The counted dimensions of a loaded backbone's model."""
+    return dims_from_config(backbone.model.config)
+
+
 RESIZE_POLICY = ResizePolicy()
 COMPRESSOR = Compressor()
 IN_LLM_PRUNER = InLLMPruner()
@@ -719,6 +816,7 @@ COMPRESSOR_THEN_PRUNER = CompressorThenPruner()
 DECODE_PRUNER = DecodePruner()
 ENGINE_PRUNER = EnginePruner()
 IN_TOWER_MERGER = InTowerMerger()
+IN_TOWER_THEN_PRUNER = InTowerThenPruner()
 FRAME_SELECTION = FrameSelection()
 KINDS = (
     RESIZE_POLICY,
@@ -729,5 +827,6 @@ KINDS = (
     DECODE_PRUNER,
     ENGINE_PRUNER,
     IN_TOWER_MERGER,
+    IN_TOWER_THEN_PRUNER,
     FRAME_SELECTION,
 )

@@ -31,6 +31,7 @@ from .baselines import (
     gprune,
     holitom,
     illava,
+    ipcv,
     pooling,
     prumerge_plus,
     prunevid,
@@ -45,6 +46,7 @@ from .baselines import (
 from .baselines.common import TokenCompressor
 from .baselines.illava import TowerMerging
 from .baselines.inside_llm import AdaptiveSchedule
+from .baselines.ipcv import TowerPruning
 from .budget import policies
 from .kinds import (
     ADAPTIVE_IN_LLM_PRUNER,
@@ -57,6 +59,7 @@ from .kinds import (
     IN_ENGINE,
     IN_LLM_PRUNER,
     IN_TOWER_MERGER,
+    IN_TOWER_THEN_PRUNER,
     INSIDE_LLM,
     INSIDE_TOWER,
     RESIZE_POLICY,
@@ -108,7 +111,8 @@ class Method:
     `(num_layers, visual, retention, first_layer) -> DecodeStage` (`baselines/inside_llm.py`, run
     by `backbones/decode_pruning.py`);
     engine_pruning: vLLM's `video_pruning_method`, run at `video_pruning_rate` = `pruning_rate(R)`;
-    tower_merge: a `baselines.illava.TowerMerging`, merging between vision-tower blocks.
+    tower_merge: a `baselines.illava.TowerMerging`, merging between vision-tower blocks;
+    tower_prune: a `baselines.ipcv.TowerPruning`, pruning between vision-tower blocks and restoring.
     Defaults: needs_allocator: its scales come from the Allocator (`allocator=`, frame selection);
     prune_layer_count: how many decoder layers `prune_layers=` names (one per stage; None: any
     number, PyramidDrop's pyramid); aliases: older model-name stems that still resolve; in_paper:
@@ -127,6 +131,7 @@ class Method:
     decode_prune: Callable | None = None
     engine_pruning: str | None = None
     tower_merge: TowerMerging | None = None
+    tower_prune: TowerPruning | None = None
     needs_allocator: bool = False
     prune_layer_count: int | None = 1
     aliases: tuple[str, ...] = ()
@@ -294,6 +299,11 @@ register(
 )
 register(Method("evs", "EVS", "EVS", ENGINE_PRUNER, REQUIRED_RETENTION, engine_pruning="evs"))
 register(Method("illava", "iLLaVA", "ILLaVA", IN_TOWER_MERGER, REQUIRED_RETENTION, tower_merge=illava.MERGING))
+register(
+    Method(
+        "ipcv", "IPCV", "IPCV", IN_TOWER_THEN_PRUNER, REQUIRED_RETENTION, tower_prune=ipcv.PRUNING, prune=dart.stages
+    )
+)
 register(
     Method(
         "fixed_scale",

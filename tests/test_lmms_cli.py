@@ -1,6 +1,7 @@
 """The real `lmms-eval` CLI with our registered models on the offline smoke task."""
 
 import json
+import re
 import subprocess
 import sys
 
@@ -216,7 +217,7 @@ def test_token_reducers_run_through_the_cli_at_exact_budgets(fixtures_dir, tmp_p
         model_args["prune_layers"] = early_prune_layers(spec, ";")
     proc = run_lmms_eval(f"{method}_{backbone}", model_args, tmp_path)
     if backbone not in spec.kind.families:  # stops at start, naming why, before any sample
-        assert f"ValueError: method={method} merges inside the vision tower on Qwen3-VL only" in proc.stderr
+        assert re.search(rf"ValueError: method={method} \w+ inside the vision tower on Qwen3-VL only", proc.stderr)
         assert not list(tmp_path.rglob("*.jsonl"))
         return
     assert proc.returncode == 0, proc.stderr[-3000:]

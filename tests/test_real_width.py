@@ -6,6 +6,7 @@ are what `resadapt-eval flops` computes from the checkpoint's own config.json.
 The CLI runs are slow (`make test-real-width`: one lmms-eval run per method and backbone, 28 in
 all); the config checks are not."""
 
+import re
 import subprocess
 from types import SimpleNamespace
 
@@ -197,7 +198,7 @@ def test_every_method_runs_through_the_cli_at_real_width(
     cmd = lmms_eval_command(f"{method}_{backbone}", model_args, TASK, str(real_width_task), tmp_path)
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=900)
     if backbone not in spec.kind.families:  # stops at start, naming why
-        assert f"ValueError: method={method} merges inside the vision tower on Qwen3-VL only" in proc.stderr
+        assert re.search(rf"ValueError: method={method} \w+ inside the vision tower on Qwen3-VL only", proc.stderr)
         assert not list(tmp_path.rglob("*.jsonl"))
         return
     assert proc.returncode == 0, proc.stderr[-3000:]

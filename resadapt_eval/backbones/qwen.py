@@ -27,7 +27,7 @@ from .decode_pruning import DecodePruner
 from .layer_pruning import FusionPruner, LayerPruner
 from .layout import IMAGE_PAD, VIDEO_TOKEN_TYPE, EngineOutput, Qwen3VLLayout, Qwen25VLLayout, QwenLayout
 from .mrope import VisionRun, qwen25_mrope_positions
-from .tower_reduction import TowerReducer
+from .tower_reduction import TowerPruner, TowerReducer
 from .vision_attention import last_block_input, received_attention_and_keys
 
 
@@ -238,6 +238,31 @@ class QwenVideoAdapter:
         outputs = dict(pooler_output=[encoded.pooler_output], deepstack_features=[[d] for d in deepstack])
         encoder_outputs = {"video": type(encoded)(**outputs)}
         return dict(compressed_sequence(full, positions, reducer.origin), mm_encoder_outputs=encoder_outputs), reducer
+
+    @torch.inference_mode()
+    def build_tower_pruned_inputs(
+        self, prompt: str, video: DecodedVideo, plan: ResizePlan, pruning, keeps: list[int], count, pairs=None
+    ) -> tuple[dict, TowerPruner]:
+        """Inputs for `plan` whose vision tower pruned patches between its blocks and restored them where
+        they are read (`pruning`: `baselines/ipcv.PRUNING`, each frame pair keeping `keeps` patches in the
+        pruned blocks; `count`: a `CountedCall` factory for its
+        work): every video token, at its M-RoPE position. Returns (inputs for `generate` or an
+        in-LLM stage, the pruner, whose `block_patches` say what each block ran)."""
+        full = self.build_inputs(prompt, video, plan, pairs)
+        positions = self.full_positions(full)
+        visual, unit = self.model.model.visual, self.merge_unit
+        pruner = TowerPruner(visual, pruning, [n * unit for n in plan.pair_tokens], keeps, count)
+        with pruner.attached():
+            encoded = visual(
+                full["pixel_values_videos"].type(visual.dtype), grid_thw=full["video_grid_thw"], return_dict=True
+            )
+        everything = torch.arange(encoded.pooler_output.shape[0], device=positions.device)
+        pruner.block_patches.append(int(everything.shape[0]) * unit)  # the merger's
+        outputs = dict(
+            pooler_output=[encoded.pooler_output], deepstack_features=[[d] for d in encoded.deepstack_features]
+        )
+        encoder_outputs = {"video": type(encoded)(**outputs)}
+        return dict(compressed_sequence(full, positions, everything), mm_encoder_outputs=encoder_outputs), pruner
 
     def question_embeddings(self, text: str) -> torch.Tensor:
         """(M, D) the LLM's input embeddings of the M tokens of `text` (no special tokens; M = 0 for

@@ -115,3 +115,113 @@ class TowerReducer:
     def flops(self) -> int:
         """FLOPs of the merging (the recomputed attention and the averages), as counted."""
         return self.work.flops
+
+
+class TowerPruner:
+    """One forward of `visual` (a Qwen3-VL vision tower) that prunes patches at block K's input and
+    restores them where they are read (`baselines/ipcv.py`): the patches of each attention segment
+    (`segment_patches`) ranked by their change over block K - 1; blocks K .. K + restoring - 1 attend
+    over every patch, the removed ones restored, and hand on the kept ones; the later blocks run on
+    the kept ones; a block whose output a DeepStack merger or the merger reads hands it every patch,
+    restored; each segment keeps `keeps` patches. `count` wraps the pruning's own work (the neighbour
+    search), counted and timed."""
+
+    def __init__(self, visual, pruning, segment_patches: list[int], keeps: list[int], count):
+        self.visual, self.rule = visual, pruning
+        self.pruned, restoring = pruning.settings(len(visual.blocks))
+        self.restoring = range(self.pruned, self.pruned + restoring)
+        self.reads_all = {*visual.deepstack_visual_indexes, len(visual.blocks) - 1}
+        self.segments, self.keeps = list(segment_patches), list(keeps)
+        self.work = count(self._prune)
+        self.block_patches: list[int] = []  # patches entering each block (its attention and MLP), then the merger
+        self._previous: torch.Tensor | None = None
+        self._state: dict | None = None
+
+    @contextmanager
+    def attached(self):
+        """Hooks on the tower's blocks for the next forward."""
+        hooks = []
+        for index, block in enumerate(self.visual.blocks):
+            hooks.append(block.register_forward_pre_hook(self._inputs(index), with_kwargs=True))
+            if index >= self.pruned:
+                hooks.append(block.register_forward_hook(self._outputs(index)))
+        try:
+            yield self
+        finally:
+            for hook in hooks:
+                hook.remove()
+
+    def _inputs(self, index: int):
+        def hook(module, args, kwargs):
+            hidden = args[0]
+            if index == self.pruned - 1:
+                self._previous = hidden
+            if index == self.pruned:
+                self.work(hidden, kwargs)
+            state = self._state
+            if state is None:
+                self.block_patches.append(hidden.shape[0])
+                return None
+            if index in self.restoring:  # every patch attends, the removed ones restored
+                full = hidden if hidden.shape[0] == state["total"] else self.restored(hidden)
+                self.block_patches.append(full.shape[0])
+                return (full, *args[1:]), kwargs
+            kept = hidden[state["kept"]] if hidden.shape[0] == state["total"] else hidden
+            kwargs["cu_seqlens"], kwargs["position_embeddings"] = state["cu_seqlens"], state["position_embeddings"]
+            if kwargs.get("max_seqlen") is not None:
+                kwargs["max_seqlen"] = state["max_seqlen"]
+            self.block_patches.append(kept.shape[0])
+            return (kept, *args[1:]), kwargs
+
+        return hook
+
+    def _outputs(self, index: int):
+        def hook(module, args, output):
+            state = self._state
+            kept = output[state["kept"]] if output.shape[0] == state["total"] else output
+            return self.restored(kept) if index in self.reads_all else kept
+
+        return hook
+
+    def _prune(self, hidden: torch.Tensor, kwargs: dict) -> None:
+        rule = self.rule
+        change = torch.linalg.vector_norm((hidden - self._previous).float(), dim=-1)
+        kept = rule.select(change, self.segments, self.keeps)
+        removed_mask = torch.ones(hidden.shape[0], dtype=torch.bool, device=hidden.device)
+        removed_mask[kept] = False
+        removed = torch.nonzero(removed_mask).flatten()
+        kept_then, removed_then = hidden[kept], hidden[removed]
+        counts = self.keeps
+        cu_seqlens = kwargs["cu_seqlens"]
+        cos, sin = kwargs["position_embeddings"]
+        self._state = dict(
+            total=hidden.shape[0],
+            kept=kept,
+            removed=removed,
+            kept_then=kept_then,
+            removed_then=removed_then,
+            near=rule.neighbours(removed_then, kept_then),
+            cu_seqlens=torch.tensor([0, *counts], device=cu_seqlens.device).cumsum(0).to(cu_seqlens.dtype),
+            position_embeddings=(cos[kept], sin[kept]),
+            max_seqlen=max(counts),
+        )
+        self._previous = None
+
+    def restored(self, kept_now: torch.Tensor) -> torch.Tensor:
+        """Every patch: the kept ones as they are now, the removed ones restored (`ipcv.restore`)."""
+        state = self._state
+        full = kept_now.new_empty(state["total"], kept_now.shape[-1])
+        full[state["kept"]] = kept_now
+        full[state["removed"]] = self.rule.restore(
+            kept_now, state["kept_then"], state["removed_then"], state["near"]
+        ).to(kept_now.dtype)
+        return full
+
+    def seconds(self) -> float:
+        """Seconds the pruning's own work took."""
+        return self.work.seconds()
+
+    @property
+    def flops(self) -> int:
+        """FLOPs of the pruning's own work (the neighbour search), as counted."""
+        return self.work.flops
