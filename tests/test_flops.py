@@ -15,7 +15,7 @@ from resadapt_eval.estimates import row_flops, stage_flops
 from resadapt_eval.kinds import IN_LLM_PRUNER
 from resadapt_eval.manifest import run_summary, sample_totals
 from resadapt_eval.measure.counting import flop_counter
-from resadapt_eval.methods import BEFORE_ENCODER, INSIDE_TOWER, METHODS, get_method
+from resadapt_eval.methods import BEFORE_ENCODER, METHODS, get_method
 from resadapt_eval.pipeline import VideoPipeline, VideoPipelineConfig
 
 from .helpers import early_prune_layers, video_request
@@ -68,7 +68,13 @@ def test_record_flops_equal_flop_counter_mode(
     model = adapter.model
     names = (f"{type(model).__name__}.model.visual", type(model.model.visual).__name__)
     (vision,) = [counts for name, counts in counter.get_flop_counts().items() if name in names]
-    inside = record.method_flops if METHODS[method].stage == INSIDE_TOWER else 0  # merging between its blocks
+    spec = METHODS[method]
+    inside = 0  # a method's own work between the tower's blocks: iLLaVA's merging, IPCV's neighbour search
+    if spec.tower_merge is not None:
+        inside = record.method_flops
+    if spec.tower_prune is not None:
+        dims = dims_from_config(adapter.model.config)
+        inside = spec.kind.tower_flops(spec, dims, [t * h * w for t, h, w in record.grids], retention)
     assert sum(vision.values()) == record.vision_flops + record.vision_attention_flops + inside
     parts = ("vision", "vision_attention", "llm_prefill", "llm_attention", "decode", "method", "allocator")
     assert record.total_flops == sum(getattr(record, f"{p}_flops") for p in parts)

@@ -237,6 +237,8 @@ def test_token_reducers_run_through_the_cli_at_exact_budgets(fixtures_dir, tmp_p
         if spec.stage == INSIDE_TOWER:  # fewer patches enter the blocks after the first merge, then the merger
             assert r["tower_tokens"][0] == 4 * r["reference_tokens"] > r["tower_tokens"][-2]
             assert r["tower_tokens"][-1] == 4 * r["visual_tokens"]
+        if spec.tower_prune is not None:  # pruned between the tower's blocks, every patch restored for the merger
+            assert r["tower_tokens"][0] == r["tower_tokens"][-1] == 4 * r["reference_tokens"] > min(r["tower_tokens"])
         if spec.prune is not None:
             assert r["achieved_retention"] == sum(r["layer_visual_tokens"]) / 12 / r["reference_tokens"]
 
