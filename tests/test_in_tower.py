@@ -80,3 +80,40 @@ def test_a_7b_and_8b_row_from_configs_shows_the_tower_s_savings():
     assert memory.extra_encoding > 0 and not memory.tower_in_generate and memory.kv < plain.kv
     with pytest.raises(ValueError, match="reducing tokens inside the vision tower runs on Qwen3-VL only"):
         row_flops(load_dims("qwen25vl-7b"), "illava", 32, (720, 1280), retention=0.25)
+
+
+@pytest.mark.parametrize("retention", [0.5, 0.25])
+def test_ipcv_prunes_the_tower_restores_every_token_and_dart_meets_r(adapters, fixtures_dir, retention):
+    adapter = adapters["qwen3vl"]
+    config = VideoPipelineConfig(method="ipcv", max_num_frames=16, budget=BudgetSpec(retention=retention))
+    _, record = VideoPipeline(adapter, config).run(video_request(adapter, fixtures_dir))
+    _, vanilla = VideoPipeline(adapter, VideoPipelineConfig(method="vanilla", max_num_frames=16)).run(
+        video_request(adapter, fixtures_dir)
+    )
+    assert record.error is None
+    n, layers = record.reference_tokens, record.layer_visual_tokens
+    assert record.visual_tokens == n == layers[0]  # every token enters the LLM, restored
+    assert retention - 0.01 <= record.achieved_retention == sum(layers) / len(layers) / n <= retention
+    # block 0 sees every patch; block 1 (after K = 1) each pair's int(n R) patches; the merger every patch
+    pair_patches = [4 * t * h * w for t, h, w in record.grids]
+    assert record.tower_tokens == [4 * n, sum(int(p * retention + 1e-9) for p in pair_patches), 4 * n]
+    dims = dims_from_config(adapter.model.config)
+    grids = [tuple(g) for g in record.grids]
+    method = get_method("ipcv")
+    tower = method.kind.tower_counts(method, dims, [t * h * w for t, h, w in grids], retention)
+    assert (record.vision_flops, record.vision_attention_flops) == vision_flops(dims.vision, grids, tower)
+    assert record.vision_flops + record.vision_attention_flops < vanilla.vision_flops + vanilla.vision_attention_flops
+    removed, kept = 4 * n - sum(tower.blocks[-1]), sum(tower.blocks[-1])
+    assert record.method_flops > 2 * removed * kept * dims.vision.hidden  # the neighbour search, and DART's ranking
+
+
+def test_ipcv_at_r_1_is_vanilla(adapters, fixtures_dir):
+    adapter = adapters["qwen3vl"]
+    request = video_request(adapter, fixtures_dir)
+    outputs = {}
+    for name, retention in (("ipcv", 1.0), ("vanilla", None)):
+        config = VideoPipelineConfig(method=name, max_num_frames=8, budget=BudgetSpec(retention=retention))
+        outputs[name] = VideoPipeline(adapter, config).run(request)
+    (text, record), (vanilla_text, vanilla) = outputs["ipcv"], outputs["vanilla"]
+    assert record.error is None and text == vanilla_text
+    assert record.tower_tokens == [4 * vanilla.visual_tokens] * 3 and record.achieved_retention == 1.0
