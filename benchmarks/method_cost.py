@@ -12,7 +12,11 @@ budget), each method's work without the backbone:
 - in-LLM: the ranking and pruning of every stage of its schedule (FastV, PyramidDrop, the second
   stages of PruneVid and HoliTom), through the same `LayerPruner` hooks a run uses, on one decoder
   layer of the real width (random weights) and hidden states of the real prompt length;
-- decode step: DyCoke's per-step ranking and selection (`DecodePruner`) over the prompt's cached keys.
+- decode step: DyCoke's per-step ranking and selection (`DecodePruner`) over the prompt's cached keys;
+- tower: a method's work between vision-tower blocks (Qwen3-VL), on one vision block's attention at the
+  real width (random weights) and hidden states of every patch: iLLaVA's first merge (the block's
+  attention recomputed, the units merged; `TowerReducer`), IPCV's pruning (the change norms, the kept
+  patches, the neighbour search) and one restoration (`TowerPruner`).
 
 Per method, stage and setting it prints:
 - own_s: the median of `--repeats` after a warm-up (on CUDA, synchronised; a first call above 10 s
@@ -281,15 +285,79 @@ def decode_step_run(layer, rotary, stage, visual: int, num_layers: int, device, 
     return run
 
 
+def vision_block_attention(backbone: str, device: torch.device, dtype: torch.dtype):
+    """One vision block's attention of `backbone`'s tower at its real width (random weights)."""
+    from transformers.models.qwen3_vl.configuration_qwen3_vl import Qwen3VLVisionConfig
+    from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLVisionAttention
+
+    config = Qwen3VLVisionConfig(**KNOWN_CONFIGS[backbone]["vision_config"])
+    config._attn_implementation = "sdpa"
+    with torch.device(device):
+        return Qwen3VLVisionAttention(config).to(dtype).eval()
+
+
+def tower_run(method, budget, dims, attention, device, dtype):
+    """A function running `method`'s work between vision blocks as the tower's hooks do, on hidden
+    states of every patch of the planned pairs (`budget.tower`), at the first block it acts after."""
+    from resadapt_eval.backbones.qwen import ADAPTERS
+    from resadapt_eval.backbones.tower_reduction import TowerPruner, TowerReducer
+
+    vision, tower = dims.vision, budget.tower
+    unit, segments = vision.merge**2, list(tower.blocks[0])
+    g = torch.Generator().manual_seed(0)
+    hidden = torch.randn(sum(segments), vision.hidden, generator=g).to(device, dtype)
+    head = vision.hidden // vision.heads
+    rotary = torch.randn(sum(segments), head, generator=g).to(device, dtype)
+    cu_seqlens = torch.tensor([0, *segments], device=device).cumsum(0).to(torch.int32)
+    visual = SimpleNamespace(
+        blocks=[None] * vision.depth,
+        spatial_merge_size=vision.merge,
+        deepstack_visual_indexes=list(vision.deepstack_taps),
+    )
+    if method.tower_merge is not None:
+        merging_block = next(b for b in range(len(tower.blocks) - 1) if tower.blocks[b + 1] != tower.blocks[b])
+        after = [n // unit for n in tower.blocks[merging_block + 1]]
+
+        def run():
+            rotate, merge = ADAPTERS["qwen3vl"].vision_rotary, method.tower_merge.merge
+            reducer = TowerReducer(visual, {merging_block: after}, [n // unit for n in segments], rotate, merge,
+                                   lambda fn: fn)  # fmt: skip
+            reducer.origin = torch.arange(sum(segments) // unit, device=device)
+            reducer.sizes = torch.ones_like(reducer.origin)
+            reducer._captured = dict(module=attention, hidden_states=hidden, cu_seqlens=cu_seqlens,
+                                     position_embeddings=(rotary.cos(), rotary.sin()))  # fmt: skip
+            return reducer.work(merging_block, hidden)
+
+        return run
+    keeps = list(tower.blocks[-1])
+    previous = hidden + torch.randn(hidden.shape, generator=g).to(device, dtype)
+
+    def run():
+        pruner = TowerPruner(visual, method.tower_prune, segments, keeps, lambda fn: fn)
+        pruner._previous = previous
+        pruner.work(hidden, dict(cu_seqlens=cu_seqlens, position_embeddings=(rotary.cos(), rotary.sin())))
+        return pruner.restored(hidden[pruner._state["kept"]])
+
+    return run
+
+
 def method_rows(args, dims, device, rate) -> list[dict]:
+    family = "qwen25vl" if dims.model_type == "qwen2_5_vl" else "qwen3vl"
     names = (
         [m.strip() for m in args.methods.split(",")]
         if args.methods
-        else [n for n, m in METHODS.items() if m.compress is not None or m.prune is not None]
+        else [
+            n
+            for n, m in METHODS.items()
+            if (m.compress is not None or m.prune is not None or m.tower_merge is not None)
+            and family in m.kind.families
+        ]
     )
     needs_layer = any(METHODS[n].prune is not None or METHODS[n].decode_prune is not None for n in names)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     layer, rotary = decoder_layer(args.backbone, device, dtype) if needs_layer else (None, None)
+    in_tower = any(METHODS[n].tower_merge is not None or METHODS[n].tower_prune is not None for n in names)
+    attention = vision_block_attention(args.backbone, device, dtype) if in_tower else None
     rows = []
     for frames in args.frames:
         vanilla_plan = row_plan(dims, "vanilla", frames, SOURCE_HW)
@@ -320,6 +388,8 @@ def method_rows(args, dims, device, rate) -> list[dict]:
                     measured.append(
                         (f"in-LLM ({len(budget.stages)} stage{'s' if len(budget.stages) > 1 else ''})", run)
                     )
+                if budget.tower is not None:
+                    measured.append(("tower", tower_run(method, budget, dims, attention, device, dtype)))
                 if budget.decode_stage is not None:
                     step = decode_step_run(
                         layer, rotary, budget.decode_stage, budget.entering, dims.text.layers, device, dtype
