@@ -68,3 +68,54 @@ def test_dart_reads_its_pivots_once_whatever_the_tokens():
         assert int(taken.sum()) == visual // 4
         counts.append(syncs["n"])
     assert counts == [1, 1]
+
+
+def tower_inputs(pairs: int, side: int = 4, width: int = 32, heads: int = 2, seed: int = 0):
+    """Hidden states of `pairs` frame pairs of side x side merge units (4 patches each), their
+    segments and rotary tables, and a vision attention module of `width` (random weights)."""
+    from types import SimpleNamespace
+
+    g = torch.Generator().manual_seed(seed)
+    patches = pairs * side * side * 4
+    attention = SimpleNamespace(
+        qkv=torch.nn.Linear(width, 3 * width), num_heads=heads, scaling=(width // heads) ** -0.5
+    )
+    hidden = torch.randn(patches, width, generator=g)
+    angles = torch.randn(patches, width // heads, generator=g)
+    cu_seqlens = torch.arange(pairs + 1, dtype=torch.int32) * side * side * 4
+    return hidden, [side * side * 4] * pairs, (angles.cos(), angles.sin()), cu_seqlens, attention
+
+
+def test_the_in_tower_methods_host_syncs_do_not_grow_with_the_pairs():
+    """iLLaVA's merge (its recomputed attention reads the segment bounds, its survivors are a
+    data-dependent size: 2) and IPCV's pruning (its kept and removed patches: 2), for 4 and 16 pairs;
+    the references sync per frame (iLLaVA's `set(...tolist())`, :482-484) or per call (IPCV's
+    `torch.unique`, `cu_seqlens` from a Python loop over kept tokens in the Qwen3-VL port)."""
+    from types import SimpleNamespace
+
+    from resadapt_eval.backbones.qwen import ADAPTERS
+    from resadapt_eval.backbones.tower_reduction import TowerPruner, TowerReducer
+    from resadapt_eval.baselines import illava, ipcv
+
+    counts = {"illava": [], "ipcv": []}
+    for pairs in (4, 16):
+        hidden, segments, (cos, sin), cu_seqlens, attention = tower_inputs(pairs)
+        visual = SimpleNamespace(blocks=[None] * 4, spatial_merge_size=2, deepstack_visual_indexes=[])
+        units = [n // 4 for n in segments]
+        reducer = TowerReducer(visual, {1: [n // 2 for n in units]}, units, ADAPTERS["qwen3vl"].vision_rotary,
+                               illava.merge_units, lambda fn: fn)  # fmt: skip
+        reducer.origin = torch.arange(sum(units))
+        reducer.sizes = torch.ones_like(reducer.origin)
+        reducer._captured = dict(
+            module=attention, hidden_states=hidden, cu_seqlens=cu_seqlens, position_embeddings=(cos, sin)
+        )
+        pruner = TowerPruner(visual, ipcv.PRUNING, segments, [n // 4 for n in segments], lambda fn: fn)
+        pruner._previous = hidden + 1
+        with counting_syncs() as merged:
+            reducer.work(1, hidden)
+        with counting_syncs() as pruned:
+            pruner.work(hidden, dict(cu_seqlens=cu_seqlens, position_embeddings=(cos, sin)))
+            pruner.restored(hidden[pruner._state["kept"]])
+        counts["illava"].append(merged["n"])
+        counts["ipcv"].append(pruned["n"])
+    assert counts == {"illava": [2, 2], "ipcv": [2, 2]}

@@ -90,7 +90,9 @@ def merge_units(scores: torch.Tensor, segment_units: list[int], after: list[int]
     r + 1, ..., 1 (ties to the earlier unit)."""
     device = scores.device
     sizes = torch.tensor(segment_units, device=device)
-    segment = torch.repeat_interleave(torch.arange(len(segment_units), device=device), sizes)
+    segment = torch.repeat_interleave(
+        torch.arange(len(segment_units), device=device), sizes, output_size=sum(segment_units)
+    )
     removed = sizes - torch.tensor(after, device=device)
     starts = torch.cumsum(sizes, 0) - sizes
     # ascending by score within each segment: a stable sort by score, then a stable sort by segment

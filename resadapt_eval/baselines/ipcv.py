@@ -70,7 +70,7 @@ def select(change: torch.Tensor, segments: list[int], keeps: list[int]) -> torch
     largest `change` (ties to the earlier patch)."""
     device = change.device
     sizes = torch.tensor(segments, device=device)
-    segment = torch.repeat_interleave(torch.arange(len(segments), device=device), sizes)
+    segment = torch.repeat_interleave(torch.arange(len(segments), device=device), sizes, output_size=sum(segments))
     starts = torch.cumsum(sizes, 0) - sizes
     by_change = torch.sort(change.float(), descending=True, stable=True).indices
     order = by_change[torch.sort(segment[by_change], stable=True).indices]
