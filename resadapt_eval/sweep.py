@@ -235,18 +235,26 @@ def check_cells(card: ModelCard, cells: list[Cell]) -> None:
     """Stop before the first cell runs when a cell's model_args would stop its lmms-eval run at
     start: each cell's model_args, parsed as lmms-eval parses its command line, go through its
     model class's own checks (`ResAdaptQwen.checked_config`: names, types, values, the method's
-    settings, the Allocator's budget.json) and the Allocator's backbone against the card's
-    (`allocator.check_backbone`), which need no weights. A ValueError names the cell."""
+    settings, the Allocator's budget.json), the Allocator's backbone against the card's
+    (`allocator.check_backbone`) and the method's backbones (`MethodKind.families`) against the
+    card's, which need no weights. A ValueError names the cell."""
     import importlib
 
     from lmms_eval.utils import simple_parse_args_string
 
     from .allocator import check_backbone
     from .lmms.manifests import model_names
+    from .methods import get_method
 
     classes = model_names()
     check_card_allocator(card, cells)
     for cell in cells:
+        families = get_method(cell.method).kind.families
+        if card.backbone not in families:
+            raise ValueError(
+                f"cell {cell.name}: method={cell.method} runs on {', '.join(families)} only, not this card's "
+                f"{card.backbone}"
+            )
         model, args = cell_model_args(card, cell)
         module, _, name = classes[model][0].rpartition(".")
         cls = getattr(importlib.import_module(module), name)

@@ -213,6 +213,11 @@ def test_the_sweep_checks_each_cell_with_its_own_model_class(fixtures_dir):
     with pytest.raises(ValueError, match="cell fastv-r0.5-f8 .*names 2 layers; method=fastv prunes at 1 layer"):
         check_cells(card, cells)
     check_cells(with_model_args(card, "prune_layers=1"), cells)  # a good one passes
+    # a method of a kind that runs on Qwen3-VL only, on a Qwen2.5-VL card
+    with pytest.raises(
+        ValueError, match="cell illava-r0.25-f8: method=illava runs on qwen3vl only, not this card's qwen25vl"
+    ):
+        check_cells(card, plan_cells(["illava"], [0.25], [8]))
 
 
 # ---------------------------------------------------------------- 9. pretrained and batch_size
