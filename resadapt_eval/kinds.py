@@ -654,19 +654,25 @@ class InTowerMerger(InModel):
     untimed_work = None
 
     def check_llm(self, spec, dims) -> None:
-        """Qwen3-VL's tower only, with at least one block before its last to merge after."""
+        """Qwen3-VL's tower only, with at least one block before its last to merge after; `tower_layers`
+        within it."""
         check_tower(spec, dims, "merges")
+        if spec.vision_blocks is not None:
+            spec.method.tower_merge.check_layers(spec.vision_blocks, dims.vision.depth)
 
     def retention_floor(self, spec, planner, dims) -> RetentionFloor:
         """At least one unit per frame pair, as a compressor (`Compressor.retention_floor`)."""
         return COMPRESSOR.retention_floor(spec, planner, dims)
 
     @staticmethod
-    def tower_counts(method, dims: BackboneDims, pair_units: list[int], retention: float) -> TowerCounts:
+    def tower_counts(
+        method, dims: BackboneDims, pair_units: list[int], retention: float, blocks: list[int] | None = None
+    ) -> TowerCounts:
         """What the tower runs on frame pairs of `pair_units` merge units: each pair's share of
-        floor(R N) units (`per_pair_budget`), reached over the merging blocks (`layer_counts`)."""
+        floor(R N) units (`per_pair_budget`), reached over the merging blocks (`blocks`, None: the
+        method's own; `layer_counts`)."""
         merging, vision = method.tower_merge, dims.vision
-        unit, layers = vision.merge**2, merging.default_layers(vision.depth)
+        unit, layers = vision.merge**2, blocks or merging.default_layers(vision.depth)
         keeps = per_pair_budget(pair_units, kept_count(retention, sum(pair_units), len(pair_units)))
         paths = [merging.layer_counts(n, k, len(layers)) for n, k in zip(pair_units, keeps)]
         units, current = [], tuple(pair_units)  # units entering each block, then the merger
@@ -683,7 +689,7 @@ class InTowerMerger(InModel):
 
     def token_budget(self, spec, plans, reference, dims) -> TokenBudget:
         (plan,) = plans
-        tower = self.tower_counts(spec.method, dims, list(plan.pair_tokens), spec.retention)
+        tower = self.tower_counts(spec.method, dims, list(plan.pair_tokens), spec.retention, spec.vision_blocks)
         return TokenBudget(reference, tower.merger // dims.vision.merge**2, share=spec.retention, tower=tower)
 
     def build(self, spec, backbone, request, video, plan, pairs, budget) -> ModelInputs:
@@ -710,8 +716,9 @@ class InTowerMerger(InModel):
         return ModelInputs(inputs, tuple(reducer.sizes.tolist()), reducer.flops, vision_s, peak, reducer.seconds())
 
     def own_flops(self, method, dims, grids, retention, counted) -> int:
-        """Counted in a run; from configs alone, the attention each merging block recomputes over the
-        patches entering it (`flops.tower_attention`); the averages are not matmuls."""
+        """Counted in a run; from configs alone (at the method's own merging blocks), the attention
+        each merging block recomputes over the patches entering it (`flops.tower_attention`); the
+        averages are not matmuls."""
         if counted is not None:
             return counted
         blocks = self.tower_counts(method, dims, [t * h * w for t, h, w in grids], retention).blocks
@@ -732,19 +739,23 @@ class InTowerThenPruner(InLLMPruner):
     slots = ("tower_prune", "prune")
 
     def check_llm(self, spec, dims) -> None:
-        """Qwen3-VL's tower of 2 blocks at least; then the in-LLM stage's checks."""
+        """Qwen3-VL's tower of 2 blocks at least, `tower_layers` within it; then the in-LLM stage's checks."""
         check_tower(spec, dims, "prunes")
+        if spec.vision_blocks is not None:
+            spec.method.tower_prune.check_layers(spec.vision_blocks, dims.vision.depth)
         super().check_llm(spec, dims)
 
     @staticmethod
-    def tower_counts(method, dims: BackboneDims, pair_units: list[int], retention: float) -> TowerCounts:
+    def tower_counts(
+        method, dims: BackboneDims, pair_units: list[int], retention: float, blocks: list[int] | None = None
+    ) -> TowerCounts:
         """What the tower runs on frame pairs of `pair_units` merge units at R: every patch up to
-        block K and in the restoring blocks after it, each pair's kept patches in the later ones,
-        every patch in the mergers."""
+        block K (`blocks`: [K], None: the method's own) and in the restoring blocks after it, each
+        pair's kept patches in the later ones, every patch in the mergers."""
         pruning, vision = method.tower_prune, dims.vision
         patches = tuple(n * vision.merge**2 for n in pair_units)
         kept = tuple(pruning.kept_patches(n, retention) for n in patches)
-        pruned, restoring = pruning.settings(vision.depth)
+        pruned, restoring = pruning.settings(vision.depth, blocks[0] if blocks else None)
         blocks = tuple(patches if b < pruned + restoring else kept for b in range(vision.depth))
         return TowerCounts(blocks, (sum(patches),) * len(vision.deepstack_taps), sum(patches))
 
@@ -758,7 +769,7 @@ class InTowerThenPruner(InLLMPruner):
     def token_budget(self, spec, plans, reference, dims) -> TokenBudget:
         (plan,) = plans
         budget = super().token_budget(spec, plans, reference, dims)
-        tower = self.tower_counts(spec.method, dims, list(plan.pair_tokens), spec.retention)
+        tower = self.tower_counts(spec.method, dims, list(plan.pair_tokens), spec.retention, spec.vision_blocks)
         return dataclasses.replace(budget, tower=tower)
 
     def build(self, spec, backbone, request, video, plan, pairs, budget) -> ModelInputs:
@@ -773,6 +784,7 @@ class InTowerThenPruner(InLLMPruner):
                 [method.tower_prune.kept_patches(n, spec.retention) for n in budget.tower.blocks[0]],
                 lambda fn: CountedCall(fn, timer.stopwatch),
                 pairs,
+                spec.vision_blocks[0] if spec.vision_blocks else None,
             )
         if pruner.block_patches != budget.tower.tokens:
             raise RuntimeError(

@@ -36,6 +36,8 @@ class VideoPipelineConfig:
     intra-op threads for this process (None: torch's default for one process, the machine's CPUs
     divided among the processes when several run, see `apply_num_threads`); prune_layers: the
     decoder layers where an inside-the-LLM method prunes, comma-separated (None: the method's own);
+    tower_layers: the vision blocks after which an inside-the-tower method merges (iLLaVA), or before
+    which it prunes (IPCV's K), comma-separated (None: the method's own);
     allocator_query: what the Allocator reads as the query, `question` or `empty` (the ablation);
     allocator_transfer: run an Allocator whose `backbone.json` names another backbone on purpose (as
     the paper runs its Qwen2.5-VL Allocator on Qwen3-VL; without it such a checkpoint stops at start;
@@ -66,6 +68,7 @@ class VideoPipelineConfig:
     strict: bool = False
     num_threads: int | None = None
     prune_layers: str | None = None
+    tower_layers: str | None = None
 
     def __post_init__(self):
         RunSpec.resolve(self)  # every bad setting stops here, naming its argument
@@ -90,7 +93,8 @@ class RunSpec:
     method: the registered `Method`; kind: what this run does (`method.kind`, or frame selection
     under a selecting operator); budget: the retention, budget rule and pair bounds; operator: the
     budget operator; prune_layers: the decoder layers of an in-LLM stage (None: the method's own),
-    prune_layers_text: the same as given (for messages)."""
+    prune_layers_text: the same as given (for messages); tower_layers, tower_layers_text: the same for
+    the vision blocks of an inside-the-tower method."""
 
     method: Method
     budget: BudgetSpec
@@ -112,6 +116,8 @@ class RunSpec:
     strict: bool
     allocator_transfer: bool = False
     resize: str = "exact"
+    tower_layers: tuple[int, ...] | None = None
+    tower_layers_text: str | None = None
     kind: MethodKind = field(init=False)
 
     def __post_init__(self):
@@ -126,6 +132,11 @@ class RunSpec:
     def stage_layers(self) -> list[int] | None:
         """`prune_layers` as the schedules take them (None: the method's defaults)."""
         return None if self.prune_layers is None else list(self.prune_layers)
+
+    @property
+    def vision_blocks(self) -> list[int] | None:
+        """`tower_layers` as the in-tower methods take them (None: the method's defaults)."""
+        return None if self.tower_layers is None else list(self.tower_layers)
 
     @property
     def frames_to_decode(self) -> int:
@@ -157,6 +168,11 @@ class RunSpec:
             return config
         method = get_method(config.method)
         layers = _prune_layers(config, method)
+        tower = method.tower_merge or method.tower_prune
+        tower_layers = _layer_list(
+            "tower_layers", config.tower_layers, config.method, tower is not None, "act inside the vision tower",
+            "vision block", "block", "acts", None if tower is None else tower.layer_count,
+        )  # fmt: skip
         if config.operator not in OPERATORS:
             raise ValueError(f"operator must be one of {OPERATORS}, got {config.operator!r}")
         operator = Operator(config.operator)
@@ -218,34 +234,45 @@ class RunSpec:
             config.strict,
             config.allocator_transfer,
             config.resize,
+            tower_layers,
+            config.tower_layers,
         )
 
 
 def _prune_layers(config: VideoPipelineConfig, method: Method) -> tuple[int, ...] | None:
     """`config.prune_layers` (comma- or ';'-separated layer indices) as numbers, checked against the
     method: only a method with stages inside the LLM takes them, as many as it has stages."""
-    given = config.prune_layers
+    return _layer_list(
+        "prune_layers", config.prune_layers, config.method, method.prune is not None, "prune inside the LLM",
+        "decoder layer", "layer", "prunes", method.prune_layer_count,
+    )  # fmt: skip
+
+
+def _layer_list(
+    name: str, given, method: str, takes: bool, where: str, what: str, noun: str, verb: str, count: int | None
+) -> tuple[int, ...] | None:
+    """Model arg `name` (comma- or ';'-separated `what` indices) as numbers: only a method that
+    `takes` them (the methods that `where`), `count` of them (None: any number; a method that
+    `verb` at `count` `noun`s)."""
     if given is None:
         return None
-    if method.prune is None:
-        raise ValueError(f"prune_layers= is only used by methods that prune inside the LLM, not {config.method!r}")
+    if not takes:
+        raise ValueError(f"{name}= is only used by methods that {where}, not {method!r}")
     if not str(given).strip(" ,;"):
         raise ValueError(
-            "prune_layers is empty: give decoder layer indices (e.g. prune_layers=2, or 3;6;9: lmms-eval "
-            "splits model_args at commas), or leave it out for the method's own layers"
+            f"{name} is empty: give {what} indices (e.g. {name}=2, or 3;6;9: lmms-eval splits model_args at "
+            f"commas), or leave it out for the method's own {noun}s"
         )
     try:
         layers = tuple(int(v) for v in str(given).replace(";", ",").split(",") if v.strip())
     except ValueError:
         raise ValueError(
-            f"prune_layers must be comma-separated layer indices (';'-separated in lmms-eval's model_args), "
-            f"got {given!r}"
+            f"{name} must be comma-separated {what} indices (';'-separated in lmms-eval's model_args), got {given!r}"
         ) from None
-    count = method.prune_layer_count
     if count is not None and len(layers) != count:
         raise ValueError(
-            f"prune_layers={given!r} names {len(layers)} layers; method={config.method} "
-            f"prunes at {count} layer{'s' if count > 1 else ''}"
+            f"{name}={given!r} names {len(layers)} {noun}s; method={method} {verb} at {count} {noun}"
+            f"{'s' if count > 1 else ''}"
         )
     return layers
 
@@ -264,8 +291,9 @@ def config_from_model_args(**model_args) -> VideoPipelineConfig:
             f"unknown model_args {', '.join(unknown)}; known: pretrained, device, dtype, attn_implementation, "
             f"sidecar_dir, {', '.join(fields)}"
         )
-    if isinstance(model_args.get("prune_layers"), float) and model_args["prune_layers"].is_integer():
-        model_args["prune_layers"] = int(model_args["prune_layers"])  # lmms-eval reads `-1` as -1.0
+    for name in ("prune_layers", "tower_layers"):  # lmms-eval reads `-1` as -1.0
+        if isinstance(model_args.get(name), float) and model_args[name].is_integer():
+            model_args[name] = int(model_args[name])
     values = {name: cast_model_arg(name, value, fields[name]) for name, value in model_args.items()}
     values = _with_training_budget(values)
     budget = BudgetSpec(**{name: values.pop(name) for name in get_type_hints(BudgetSpec) if name in values})

@@ -127,6 +127,25 @@ def test_prune_layers_the_llm_cannot_take_stop_at_load_naming_the_argument(
 
 
 @pytest.mark.parametrize(
+    "method, tower_layers, message",
+    [  # the tiny Qwen3-VL tower has 2 vision blocks
+        ("illava", "1", r"model_args tower_layers \[1\] must lie in \[0, 0\] on this vision tower of 2 blocks"),
+        ("illava", "-1", r"model_args tower_layers \[-1\] must lie in \[0, 0\]"),
+        ("ipcv", "0", r"model_args tower_layers \[0\] must lie in \[1, 1\] on this vision tower of 2 blocks"),
+        ("ipcv", "1;2", "tower_layers='1;2' names 2 blocks; method=ipcv acts at 1 block"),
+        ("illava", "", "tower_layers is empty"),
+        ("tome", "0", "tower_layers= is only used by methods that act inside the vision tower, not 'tome'"),
+    ],
+)
+def test_tower_layers_the_tower_cannot_take_stop_at_load_naming_the_argument(
+    fixtures_dir, tmp_path, method, tower_layers, message
+):
+    args = lmms_args(f"method={method},retention=0.5,tower_layers={tower_layers}")
+    with pytest.raises(ValueError, match=message):
+        lmms_model(fixtures_dir, tmp_path, "qwen3vl", **args)
+
+
+@pytest.mark.parametrize(
     "method, retention, prune_layers, message",
     [
         (

@@ -117,3 +117,19 @@ def test_ipcv_at_r_1_is_vanilla(adapters, fixtures_dir):
     (text, record), (vanilla_text, vanilla) = outputs["ipcv"], outputs["vanilla"]
     assert record.error is None and text == vanilla_text
     assert record.tower_tokens == [4 * vanilla.visual_tokens] * 3 and record.achieved_retention == 1.0
+
+
+def test_tower_layers_name_the_blocks_and_the_default_is_the_references(adapters, fixtures_dir):
+    """`tower_layers=` the method's own blocks on the tiny tower (iLLaVA: after block 0; IPCV: K = 1)
+    gives the default's record."""
+    adapter = adapters["qwen3vl"]
+    request = video_request(adapter, fixtures_dir)
+    for name, blocks in (("illava", "0"), ("ipcv", "1")):
+        records = []
+        for given in (None, blocks):
+            config = VideoPipelineConfig(
+                method=name, max_num_frames=8, budget=BudgetSpec(retention=0.5), tower_layers=given
+            )
+            records.append(VideoPipeline(adapter, config).run(request)[1])
+        assert records[0].error is None and records[0].tower_tokens == records[1].tower_tokens
+        assert records[0].merged_sizes == records[1].merged_sizes and records[0].total_flops == records[1].total_flops

@@ -241,17 +241,25 @@ class QwenVideoAdapter:
 
     @torch.inference_mode()
     def build_tower_pruned_inputs(
-        self, prompt: str, video: DecodedVideo, plan: ResizePlan, pruning, keeps: list[int], count, pairs=None
+        self,
+        prompt: str,
+        video: DecodedVideo,
+        plan: ResizePlan,
+        pruning,
+        keeps: list[int],
+        count,
+        pairs=None,
+        pruned: int | None = None,
     ) -> tuple[dict, TowerPruner]:
         """Inputs for `plan` whose vision tower pruned patches between its blocks and restored them where
         they are read (`pruning`: `baselines/ipcv.PRUNING`, each frame pair keeping `keeps` patches in the
-        pruned blocks; `count`: a `CountedCall` factory for its
+        pruned blocks, from block `pruned` (None: the method's own K); `count`: a `CountedCall` factory for its
         work): every video token, at its M-RoPE position. Returns (inputs for `generate` or an
         in-LLM stage, the pruner, whose `block_patches` say what each block ran)."""
         full = self.build_inputs(prompt, video, plan, pairs)
         positions = self.full_positions(full)
         visual, unit = self.model.model.visual, self.merge_unit
-        pruner = TowerPruner(visual, pruning, [n * unit for n in plan.pair_tokens], keeps, count)
+        pruner = TowerPruner(visual, pruning, [n * unit for n in plan.pair_tokens], keeps, count, pruned)
         with pruner.attached():
             encoded = visual(
                 full["pixel_values_videos"].type(visual.dtype), grid_thw=full["video_grid_thw"], return_dict=True

@@ -123,12 +123,12 @@ class TowerPruner:
     (`segment_patches`) ranked by their change over block K - 1; blocks K .. K + restoring - 1 attend
     over every patch, the removed ones restored, and hand on the kept ones; the later blocks run on
     the kept ones; a block whose output a DeepStack merger or the merger reads hands it every patch,
-    restored; each segment keeps `keeps` patches. `count` wraps the pruning's own work (the neighbour
-    search), counted and timed."""
+    restored; each segment keeps `keeps` patches; K is `pruned` (None: the rule's own). `count` wraps
+    the pruning's own work (the neighbour search), counted and timed."""
 
-    def __init__(self, visual, pruning, segment_patches: list[int], keeps: list[int], count):
+    def __init__(self, visual, pruning, segment_patches: list[int], keeps: list[int], count, pruned: int | None = None):
         self.visual, self.rule = visual, pruning
-        self.pruned, restoring = pruning.settings(len(visual.blocks))
+        self.pruned, restoring = pruning.settings(len(visual.blocks), pruned)
         self.restoring = range(self.pruned, self.pruned + restoring)
         self.reads_all = {*visual.deepstack_visual_indexes, len(visual.blocks) - 1}
         self.segments, self.keeps = list(segment_patches), list(keeps)

@@ -119,6 +119,17 @@ class TowerMerging:
     default_layers: object
     layer_counts: object
     merge: object
+    layer_count: int | None = None  # how many blocks `tower_layers=` names (None: any number)
+
+    def check_layers(self, layers: list[int], depth: int) -> None:
+        """A merge after each of `layers`, strictly increasing, each with a block after it."""
+        if list(layers) != sorted(set(layers)):
+            raise ValueError(f"model_args tower_layers must be strictly increasing, got {list(layers)}")
+        if not all(0 <= b <= depth - 2 for b in layers):
+            raise ValueError(
+                f"model_args tower_layers {list(layers)} must lie in [0, {depth - 2}] on this vision tower of {depth} "
+                "blocks (a merge after a block needs a block after it)"
+            )
 
 
 MERGING = TowerMerging(default_layers, layer_counts, merge_units)

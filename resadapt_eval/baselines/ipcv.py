@@ -52,10 +52,12 @@ TOP_K = 10  # neighbours of a removed patch (Qwen2-VL/eval_scripts/lmms_eval_mul
 NEIGHBOUR_ROWS = 4096  # removed patches whose distances are formed at once
 
 
-def settings(depth: int) -> tuple[int, int]:
+def settings(depth: int, pruned: int | None = None) -> tuple[int, int]:
     """(K, restoring blocks) of a `depth`-block tower: the reference's 3 and 7 of 32 at the same
-    relative depth, K at least 1 and at most depth - 1 (27 blocks: 2 and 5; 2 blocks: 1 and 0)."""
-    pruned = min(max(1, PRUNED_LAYER * depth // REFERENCE_DEPTH), depth - 1)
+    relative depth, K at least 1 and at most depth - 1 (27 blocks: 2 and 5; 2 blocks: 1 and 0), or
+    K = `pruned` (`tower_layers=`)."""
+    if pruned is None:
+        pruned = min(max(1, PRUNED_LAYER * depth // REFERENCE_DEPTH), depth - 1)
     return pruned, RESTORING_LAYERS * depth // REFERENCE_DEPTH
 
 
@@ -116,6 +118,15 @@ class TowerPruning:
     neighbours: object
     restore: object
     distance_flops: object
+    layer_count: int = 1  # `tower_layers=` names K
+
+    def check_layers(self, layers: list[int], depth: int) -> None:
+        """K within [1, depth - 1]: the change over block K - 1 ranks the patches entering block K."""
+        if not all(1 <= b <= depth - 1 for b in layers):
+            raise ValueError(
+                f"model_args tower_layers {list(layers)} must lie in [1, {depth - 1}] on this vision tower of {depth} "
+                "blocks (the change over the block before ranks the patches)"
+            )
 
 
 PRUNING = TowerPruning(settings, kept_patches, select, neighbours, restore, distance_flops)
