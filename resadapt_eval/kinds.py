@@ -694,8 +694,8 @@ class InTowerMerger(InModel):
 
     def build(self, spec, backbone, request, video, plan, pairs, budget) -> ModelInputs:
         method, timer, blocks, unit = spec.method, backbone.vision_timer, budget.tower.blocks, backbone.merge_unit
-        after = [*blocks[1:], None]  # what each block hands on: the next block's input (the last's: the merger's)
-        schedule = {b: [n // unit for n in after[b]] for b in range(len(blocks) - 1) if after[b] != blocks[b]}
+        # a merge after block b: what b hands on, the next block's input, where it differs from b's
+        schedule = {b: [n // unit for n in blocks[b + 1]] for b in range(len(blocks) - 1) if blocks[b + 1] != blocks[b]}
         reset_peak_memory(backbone.device)  # the tower runs here, before the engine call
         with timer.recording():
             inputs, reducer = backbone.build_tower_merged_inputs(
