@@ -267,7 +267,7 @@ def _layer_list(
         layers = tuple(int(v) for v in str(given).replace(";", ",").split(",") if v.strip())
     except ValueError:
         raise ValueError(
-            f"{name} must be comma-separated {what} indices (';'-separated in lmms-eval's model_args), got {given!r}"
+            f"{name} must be comma-separated {noun} indices (';'-separated in lmms-eval's model_args), got {given!r}"
         ) from None
     if count is not None and len(layers) != count:
         raise ValueError(

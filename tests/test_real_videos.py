@@ -54,6 +54,8 @@ def pipelines(adapters) -> dict:
     out = {}
     for backbone, adapter in adapters.items():
         for method, spec in HF_METHODS.items():
+            if backbone not in spec.kind.families:  # stops at start (tests/test_retention_floors.py)
+                continue
             config = VideoPipelineConfig(
                 method=method,
                 max_num_frames=FRAMES,
@@ -81,6 +83,8 @@ def test_every_method_answers_the_clips_with_exact_token_accounting(adapters, pi
     grid = adapter.layout.grid
     vanilla_tokens = None
     for method, spec in HF_METHODS.items():  # vanilla first: the reference of the others
+        if (backbone, method) not in pipelines:  # a method of a kind this backbone does not run
+            continue
         pipeline = pipelines[backbone, method]
         _, record = pipeline.run(request)
         assert record.error is None, (method, record.error)
@@ -126,7 +130,7 @@ def test_every_method_answers_the_clips_with_exact_token_accounting(adapters, pi
             assert record.target_retention == RETENTION
         if spec.compress is not None and spec.prune is not None:  # the compressor keeps what the stage allows
             assert plan_tokens == record.reference_tokens and RETENTION * plan_tokens < record.visual_tokens
-        elif spec.compress is not None:  # compressed after the merger: floor(R * N) of the vanilla plan's N
+        elif spec.compress is not None or spec.tower_merge is not None:  # floor(R * N) of the vanilla plan's N
             assert plan_tokens == record.reference_tokens
             assert record.visual_tokens == len(record.merged_sizes) == kept_count(RETENTION, plan_tokens, pairs)
             assert RETENTION * plan_tokens - 1 < record.visual_tokens <= RETENTION * plan_tokens
