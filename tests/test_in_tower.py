@@ -16,14 +16,19 @@ from .helpers import first_logits_and_text, vanilla_setup, video_request
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
+def records_beside_vanilla(adapter, fixtures_dir, method: str, retention: float):
+    """(the method's record, vanilla's) on the first smoke video, 16 frames."""
+    records = []
+    for name, budget in ((method, BudgetSpec(retention=retention)), ("vanilla", BudgetSpec())):
+        config = VideoPipelineConfig(method=name, max_num_frames=16, budget=budget)
+        records.append(VideoPipeline(adapter, config).run(video_request(adapter, fixtures_dir))[1])
+    return records
+
+
 @pytest.mark.parametrize("retention", [0.5, 0.25, 0.1])
 def test_the_llm_gets_floor_r_n_tokens_and_the_tower_s_blocks_count_what_they_held(adapters, fixtures_dir, retention):
     adapter = adapters["qwen3vl"]
-    config = VideoPipelineConfig(method="illava", max_num_frames=16, budget=BudgetSpec(retention=retention))
-    _, record = VideoPipeline(adapter, config).run(video_request(adapter, fixtures_dir))
-    _, vanilla = VideoPipeline(adapter, VideoPipelineConfig(method="vanilla", max_num_frames=16)).run(
-        video_request(adapter, fixtures_dir)
-    )
+    record, vanilla = records_beside_vanilla(adapter, fixtures_dir, "illava", retention)
     assert record.error is None
     n = record.reference_tokens
     assert record.visual_tokens == len(record.merged_sizes) == int(retention * n + 1e-9)
@@ -85,11 +90,7 @@ def test_a_7b_and_8b_row_from_configs_shows_the_tower_s_savings():
 @pytest.mark.parametrize("retention", [0.5, 0.25])
 def test_ipcv_prunes_the_tower_restores_every_token_and_dart_meets_r(adapters, fixtures_dir, retention):
     adapter = adapters["qwen3vl"]
-    config = VideoPipelineConfig(method="ipcv", max_num_frames=16, budget=BudgetSpec(retention=retention))
-    _, record = VideoPipeline(adapter, config).run(video_request(adapter, fixtures_dir))
-    _, vanilla = VideoPipeline(adapter, VideoPipelineConfig(method="vanilla", max_num_frames=16)).run(
-        video_request(adapter, fixtures_dir)
-    )
+    record, vanilla = records_beside_vanilla(adapter, fixtures_dir, "ipcv", retention)
     assert record.error is None
     n, layers = record.reference_tokens, record.layer_visual_tokens
     assert record.visual_tokens == n == layers[0]  # every token enters the LLM, restored
