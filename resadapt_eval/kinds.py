@@ -44,7 +44,6 @@ from .compute.flops import (
     ENGINE_PRUNING,
     BackboneDims,
     TowerCounts,
-    dims_from_config,
     recomputed_attention,
     tower_attention,
 )
@@ -760,11 +759,11 @@ class InTowerThenPruner(InLLMPruner):
         return TowerCounts(blocks, (sum(patches),) * len(vision.deepstack_taps), sum(patches))
 
     @staticmethod
-    def tower_flops(method, dims: BackboneDims, pair_units: list[int], retention: float) -> int:
-        """The neighbour search's FLOPs: every removed patch against every kept one."""
-        counts = InTowerThenPruner.tower_counts(method, dims, pair_units, retention)
-        kept = sum(counts.blocks[-1])
-        return method.tower_prune.distance_flops(counts.merger - kept, kept, dims.vision.hidden)
+    def tower_flops(method, tower: TowerCounts, width: int) -> int:
+        """The neighbour search's FLOPs in a tower that ran `tower` at `width` (the vision hidden
+        size): every removed patch against every kept one."""
+        kept = sum(tower.blocks[-1])
+        return method.tower_prune.distance_flops(tower.merger - kept, kept, width)
 
     def token_budget(self, spec, plans, reference, dims) -> TokenBudget:
         (plan,) = plans
@@ -790,7 +789,7 @@ class InTowerThenPruner(InLLMPruner):
             raise RuntimeError(
                 f"{method.name}: the tower held {pruner.block_patches} patches; the budget counts {budget.tower.tokens}"
             )
-        expected = self.tower_flops(method, backbone_dims(backbone), list(plan.pair_tokens), spec.retention)
+        expected = self.tower_flops(method, budget.tower, backbone.model.config.vision_config.hidden_size)
         if pruner.flops != expected:
             raise RuntimeError(f"{method.name}: the tower's pruning counted {pruner.flops} FLOPs, not {expected}")
         vision_s, peak = timer.take(), peak_memory_mb(backbone.device)
@@ -799,7 +798,8 @@ class InTowerThenPruner(InLLMPruner):
     def own_flops(self, method, dims, grids, retention, counted) -> int:
         """The tower's neighbour search (`tower_flops`, checked against the count in a run) plus the
         in-LLM stage's ranking (`counted`: as counted in a run, or `estimates.stage_flops`)."""
-        return self.tower_flops(method, dims, [t * h * w for t, h, w in grids], retention) + (counted or 0)
+        tower = self.tower_counts(method, dims, [t * h * w for t, h, w in grids], retention)
+        return self.tower_flops(method, tower, dims.vision.hidden) + (counted or 0)
 
 
 def check_tower(spec, dims: BackboneDims, acts: str) -> None:
@@ -813,11 +813,6 @@ def check_tower(spec, dims: BackboneDims, acts: str) -> None:
         )
     if vision.depth < 2:
         raise ValueError(f"method={spec.method.name} needs a vision tower of 2 blocks at least, not {vision.depth}")
-
-
-def backbone_dims(backbone) -> BackboneDims:
-    """The counted dimensions of a loaded backbone's model."""
-    return dims_from_config(backbone.model.config)
 
 
 RESIZE_POLICY = ResizePolicy()

@@ -74,7 +74,8 @@ def test_record_flops_equal_flop_counter_mode(
         inside = record.method_flops
     if spec.tower_prune is not None:
         dims = dims_from_config(adapter.model.config)
-        inside = spec.kind.tower_flops(spec, dims, [t * h * w for t, h, w in record.grids], retention)
+        tower = spec.kind.tower_counts(spec, dims, [t * h * w for t, h, w in record.grids], retention)
+        inside = spec.kind.tower_flops(spec, tower, dims.vision.hidden)
     assert sum(vision.values()) == record.vision_flops + record.vision_attention_flops + inside
     parts = ("vision", "vision_attention", "llm_prefill", "llm_attention", "decode", "method", "allocator")
     assert record.total_flops == sum(getattr(record, f"{p}_flops") for p in parts)

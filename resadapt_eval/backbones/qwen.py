@@ -197,11 +197,9 @@ class QwenVideoAdapter:
         deepstack = getattr(encoded, "deepstack_features", None)
         extra = [torch.cat(layer) for layer in deepstack] if deepstack is not None else []
         kept, sizes, (merged, *merged_deepstack) = merge_groups(compression, features, *extra)
-        outputs = dict(pooler_output=[merged])
-        if deepstack is not None:
-            outputs["deepstack_features"] = [[d] for d in merged_deepstack]
-        encoder_outputs = {"video": type(encoded)(**outputs)}
-        return dict(compressed_sequence(full, positions, kept), mm_encoder_outputs=encoder_outputs), sizes
+        return encoded_sequence(
+            full, positions, kept, encoded, merged, merged_deepstack if deepstack is not None else None
+        ), sizes
 
     @property
     def merge_unit(self) -> int:
@@ -225,19 +223,13 @@ class QwenVideoAdapter:
         units keep their M-RoPE positions; returns (inputs for `generate`, the reducer, whose
         `origin`, `sizes` and `block_units` describe what it kept)."""
         full = self.build_inputs(prompt, video, plan, pairs)
-        positions = self.full_positions(full)
         visual = self.model.model.visual
         reducer = TowerReducer(visual, schedule, list(plan.pair_tokens), self.vision_rotary, merge, count)
-        with reducer.attached():
-            encoded = visual(
-                full["pixel_values_videos"].type(visual.dtype), grid_thw=full["video_grid_thw"], return_dict=True
-            )
+        encoded = self.tower_forward(full, reducer)
         reducer.block_units.append(int(reducer.origin.shape[0]))  # the merger's
-        taps = list(visual.deepstack_visual_indexes)
-        deepstack = reducer.follow(list(encoded.deepstack_features), taps)
-        outputs = dict(pooler_output=[encoded.pooler_output], deepstack_features=[[d] for d in deepstack])
-        encoder_outputs = {"video": type(encoded)(**outputs)}
-        return dict(compressed_sequence(full, positions, reducer.origin), mm_encoder_outputs=encoder_outputs), reducer
+        deepstack = reducer.follow(list(encoded.deepstack_features), list(visual.deepstack_visual_indexes))
+        positions = self.full_positions(full)
+        return encoded_sequence(full, positions, reducer.origin, encoded, encoded.pooler_output, deepstack), reducer
 
     @torch.inference_mode()
     def build_tower_pruned_inputs(
@@ -257,20 +249,25 @@ class QwenVideoAdapter:
         work): every video token, at its M-RoPE position. Returns (inputs for `generate` or an
         in-LLM stage, the pruner, whose `block_patches` say what each block ran)."""
         full = self.build_inputs(prompt, video, plan, pairs)
+        unit = self.merge_unit
+        pruner = TowerPruner(
+            self.model.model.visual, pruning, [n * unit for n in plan.pair_tokens], keeps, count, pruned
+        )
+        encoded = self.tower_forward(full, pruner)
         positions = self.full_positions(full)
-        visual, unit = self.model.model.visual, self.merge_unit
-        pruner = TowerPruner(visual, pruning, [n * unit for n in plan.pair_tokens], keeps, count, pruned)
-        with pruner.attached():
-            encoded = visual(
-                full["pixel_values_videos"].type(visual.dtype), grid_thw=full["video_grid_thw"], return_dict=True
-            )
         everything = torch.arange(encoded.pooler_output.shape[0], device=positions.device)
         pruner.block_patches.append(int(everything.shape[0]) * unit)  # the merger's
-        outputs = dict(
-            pooler_output=[encoded.pooler_output], deepstack_features=[[d] for d in encoded.deepstack_features]
-        )
-        encoder_outputs = {"video": type(encoded)(**outputs)}
-        return dict(compressed_sequence(full, positions, everything), mm_encoder_outputs=encoder_outputs), pruner
+        pooler, deepstack = encoded.pooler_output, encoded.deepstack_features
+        return encoded_sequence(full, positions, everything, encoded, pooler, deepstack), pruner
+
+    def tower_forward(self, full: dict, hooks):
+        """The vision tower over `full`'s video (`build_inputs` output) with `hooks` (a
+        `TowerReducer` or `TowerPruner`) attached: its output, undivided."""
+        visual = self.model.model.visual
+        with hooks.attached():
+            return visual(
+                full["pixel_values_videos"].type(visual.dtype), grid_thw=full["video_grid_thw"], return_dict=True
+            )
 
     def question_embeddings(self, text: str) -> torch.Tensor:
         """(M, D) the LLM's input embeddings of the M tokens of `text` (no special tokens; M = 0 for
@@ -495,6 +492,17 @@ def compressed_sequence(full: dict, positions: torch.Tensor, kept: torch.Tensor)
         mm_token_type_ids=full["mm_token_type_ids"][:, keep_seq],
         position_ids=positions[..., keep_seq],
     )
+
+
+def encoded_sequence(full: dict, positions: torch.Tensor, kept: torch.Tensor, encoded, pooler, deepstack) -> dict:
+    """`compressed_sequence` of the video tokens at `kept`, with the vision tower's output for them
+    already computed (`mm_encoder_outputs`, as `encoded`'s type): `pooler` (K, D) and, on Qwen3-VL,
+    the `deepstack` features (a list of (K, D); None without them)."""
+    outputs = dict(pooler_output=[pooler])
+    if deepstack is not None:
+        outputs["deepstack_features"] = [[d] for d in deepstack]
+    encoder_outputs = {"video": type(encoded)(**outputs)}
+    return dict(compressed_sequence(full, positions, kept), mm_encoder_outputs=encoder_outputs)
 
 
 def check_flash_attention(dtype: str, config) -> None:
