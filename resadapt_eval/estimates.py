@@ -7,7 +7,8 @@ A row is planned as a run plans it (`RunSpec` and its kind: `MethodKind.typical_
 from __future__ import annotations
 
 from .baselines import dart
-from .baselines.inside_llm import DUPLICATION
+from .baselines import sparsevlm
+from .baselines.inside_llm import DUPLICATION, RATERS
 from .budget.plan import TokenGrid
 from .budget.planner import Planner
 from .compute.flops import BackboneDims, RowPlan, SampleFlops, ranking_flops, sample_flops
@@ -70,7 +71,7 @@ def row_flops(
     scoring = allocator.flops(frames, query_tokens) if method.needs_allocator else 0
     ranking = None  # each stage's ranking, in the layer before it
     if plan.stages is not None:
-        ranking = sum(stage_flops(dims.text, s, plan, text_tokens) for s in plan.stages)
+        ranking = sum(stage_flops(dims.text, s, plan, text_tokens, i == 0) for i, s in enumerate(plan.stages))
     flops = sample_flops(
         dims,
         method,
@@ -85,10 +86,15 @@ def row_flops(
     return flops, plan.visual
 
 
-def stage_flops(x, stage, plan: RowPlan, text_tokens: int) -> int:
+def stage_flops(x, stage, plan: RowPlan, text_tokens: int, first: bool = False) -> int:
     """A stage's own FLOPs inside the LLM, from the prompt its layer before sees: DART's keys and
-    pivot similarities (`dart.ranking_flops`), else the last token's attention row (`ranking_flops`)."""
+    pivot similarities (`dart.ranking_flops`), SparseVLM's raters, their attention and its recycling
+    (`sparsevlm.ranking_flops`, the `text_tokens` taken as the text after the video; its raters on
+    the `first` stage), else the last token's attention row (`ranking_flops`)."""
     length = plan.prompt[stage.layer - 1]
+    if stage.rank_by == RATERS:
+        entering = length - (plan.prompt[0] - plan.visual)
+        return sparsevlm.ranking_flops(x, length, entering, text_tokens, stage, plan.visual if first else 0)
     if stage.rank_by == DUPLICATION:
         visual = length - (plan.prompt[0] - plan.visual)
         return dart.ranking_flops(x.hidden, x.kv_heads * x.head_dim, length, visual, stage.keep, text_tokens)

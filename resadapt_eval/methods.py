@@ -37,6 +37,7 @@ from .baselines import (
     prunevid,
     pyramiddrop,
     random_drop,
+    sparsevlm,
     tome,
     vcast,
     vidcom2,
@@ -287,6 +288,7 @@ register(_compressor("vcast", "V-CAST", "VCAST", vcast))
 register(_pruner("fastv", "FastV", "FastV", fastv))
 register(_pruner("pyramiddrop", "PyramidDrop", "PyramidDrop", pyramiddrop, prune_layer_count=None))
 register(_pruner("dart", "DART", "DART", dart))
+register(_pruner("sparsevlm", "SparseVLM", "SparseVLM", sparsevlm, prune_layer_count=None))
 register(
     Method(
         "framefusion",

@@ -80,6 +80,14 @@ def video_request(adapter, fixtures_dir):
     return Request(prompt, video=video, gen_kwargs=dict(max_new_tokens=4))
 
 
+def text_after_video(adapter, prompt: str) -> int:
+    """Tokens of `prompt` after its video (the text a stage inside the LLM never prunes)."""
+    pad = adapter.processor.tokenizer.convert_tokens_to_ids("<|video_pad|>")
+    frames = torch.zeros(2, 3, 64, 64, dtype=torch.uint8)  # the text after the video is the same for any video
+    ids = adapter.processor(text=[prompt], videos=[frames], return_tensors="pt").input_ids[0].tolist()
+    return len(ids) - max(i for i, token in enumerate(ids) if token == pad) - 1
+
+
 @torch.inference_mode()
 def first_logits_and_text(adapter, inputs, steps=4):
     """Greedy generation of `steps` tokens: (first-token logits, generated ids)."""

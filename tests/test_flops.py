@@ -18,7 +18,7 @@ from resadapt_eval.measure.counting import flop_counter
 from resadapt_eval.methods import BEFORE_ENCODER, METHODS, get_method
 from resadapt_eval.pipeline import VideoPipeline, VideoPipelineConfig
 
-from .helpers import early_prune_layers, video_request
+from .helpers import early_prune_layers, text_after_video, video_request
 
 PAPER_TFLOPS = {16: 111.4, 32: 222.5, 64: 444.6, 128: 888.9}  # latency table, Qwen2.5-VL-7B vanilla
 SOURCE_HW = (672, 896)  # a 4:3 896x672 source: 768 tokens per pair
@@ -93,7 +93,8 @@ def test_similarities_from_configs_equal_the_counted_ones(eager_adapters, fixtur
     """`row_flops` computes ToMe's and VisionZip's similarity work from the grids; a run counts it."""
     adapter = eager_adapters["qwen25vl"]
     config = VideoPipelineConfig(method=method, max_num_frames=8, budget=BudgetSpec(retention=0.25))
-    _, record = VideoPipeline(adapter, config).run(video_request(adapter, fixtures_dir))
+    request = video_request(adapter, fixtures_dir)
+    _, record = VideoPipeline(adapter, config).run(request)
     dims = dims_from_config(adapter.model.config)
     computed = method_flops(get_method(method), dims, [tuple(g) for g in record.grids], 0.25)
     assert computed == record.method_flops
@@ -229,13 +230,14 @@ def test_ranking_inside_the_llm_from_configs_equals_the_counted_one(eager_adapte
     config = VideoPipelineConfig(
         method=method, max_num_frames=8, budget=BudgetSpec(retention=0.25), prune_layers=PRUNE_LAYERS[method]
     )
-    _, record = VideoPipeline(adapter, config).run(video_request(adapter, fixtures_dir))
+    request = video_request(adapter, fixtures_dir)
+    _, record = VideoPipeline(adapter, config).run(request)
     text = dims_from_config(adapter.model.config).text
     prompts = [record.input_tokens - record.visual_tokens + n for n in record.layer_visual_tokens]
     plan = SimpleNamespace(prompt=prompts, visual=record.visual_tokens)
     stages = METHODS[method].prune(12, record.visual_tokens, 0.25, [int(x) for x in PRUNE_LAYERS[method].split(",")])
-    text_tokens = record.input_tokens - record.visual_tokens
-    assert record.method_flops == sum(stage_flops(text, s, plan, text_tokens) for s in stages) > 0
+    text_after = text_after_video(adapter, request.prompt)
+    assert record.method_flops == sum(stage_flops(text, s, plan, text_after, i == 0) for i, s in enumerate(stages)) > 0
 
 
 def test_evs_is_counted_as_its_cosines_and_the_tokens_vllm_keeps():

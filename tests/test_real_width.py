@@ -42,6 +42,8 @@ TARGETS = {
     ("qwen25vl", "dart"): 0.6,
     ("qwen3vl", "dart"): 0.8,
     ("qwen3vl", "ipcv"): 0.8,  # its in-LLM stage is DART's
+    ("qwen25vl", "sparsevlm"): 0.6,  # one stage on a 4-layer LLM (its three default layers collapse), as FastV's
+    ("qwen3vl", "sparsevlm"): 0.8,
     # FrameFusion merges from layer 3 on Qwen3-VL (after its deepstack layers) and keeps a frame pair
     # there: a floor of (3 N + N / 2) / 4 N = 0.875 on 2 pairs
     ("qwen3vl", "framefusion"): 0.9,
@@ -65,7 +67,13 @@ ROW_METHODS = [
     and m.adaptive_prune is None  # its layers' counts follow from the hidden states
     and m.decode_prune is None
     and (m.compressor is None or m.compressor.config_flops is not None)
-] + [name for name, m in METHODS.items() if m.compressor is None and m.prune is not None]
+] + [
+    name
+    for name, m in METHODS.items()
+    if m.compressor is None
+    and m.prune is not None
+    and name != "sparsevlm"  # its raters are the prompt's text after the video; a row takes all its text as that
+]
 TWO_STAGE = [name for name, m in METHODS.items() if m.compress is not None and m.prune is not None]
 
 
@@ -234,11 +242,13 @@ def check_flops(record: dict, folder, backbone: str, method: str, target: float 
     # the method's own work: computed from the config where the flops command can, else as counted in the run
     if spec.adaptive_prune is not None:  # its merges and ranking follow from the hidden states: as counted
         compressor = record["method_flops"]
+    elif method == "sparsevlm":  # its raters' rows are the task prompt's text after the video: as counted
+        compressor = record["method_flops"]  # (from configs on the tiny models: test_flops.py)
     elif spec.stage == INSIDE_LLM:  # each stage's ranking (`stage_flops`), in the layer before it
         stages = spec.prune(dims.text.layers, record["visual_tokens"], target, None, dims.vision.deepstack)
         assert [s.layer for s in stages] == [i for i in range(1, len(layers)) if layers[i] != layers[i - 1]]
         plan = SimpleNamespace(prompt=prompt, visual=record["visual_tokens"])
-        compressor = sum(stage_flops(dims.text, s, plan, text_tokens) for s in stages)
+        compressor = sum(stage_flops(dims.text, s, plan, text_tokens, i == 0) for i, s in enumerate(stages))
     elif spec.stage == AFTER_MERGER and method not in ROW_METHODS:  # depends on the features
         compressor = record["method_flops"] - (recomputed_attention(dims.vision, grids) if spec.needs_attention else 0)
         assert compressor >= 0  # VidCom2's: 0 (elementwise distances, no matmul)

@@ -25,8 +25,16 @@ from contextlib import contextmanager
 import torch
 import torch.nn.functional as F
 
-from ..baselines import dart, framefusion
-from ..baselines.inside_llm import BLOCK_ROWS, DUPLICATION, STAGE_INPUT, TEXT_AFTER_VISUAL, Stage, layer_counts
+from ..baselines import dart, framefusion, sparsevlm
+from ..baselines.inside_llm import (
+    BLOCK_ROWS,
+    DUPLICATION,
+    RATERS,
+    STAGE_INPUT,
+    TEXT_AFTER_VISUAL,
+    Stage,
+    layer_counts,
+)
 from ..budget.plan import InfeasibleBudget
 from ..measure.clock import Spans, Stopwatch
 from ..measure.counting import counted_flops
@@ -205,6 +213,7 @@ class LayerPruner:
         self.kept = None  # prompt indices the current layer sees (None: all)
         self.kept_by_layer: dict[int, torch.Tensor] = {}
         self.scores = None
+        self.rater_weights = None  # SparseVLM's raters among the text after the video
         handles = [
             layer.register_forward_pre_hook(self._layer_input(i), with_kwargs=True)
             for i, layer in enumerate(self.layers)
@@ -228,6 +237,10 @@ class LayerPruner:
                 elif stage.rank_by == DUPLICATION:  # this layer's keys; the stage layer's input picks the tokens
                     (_, keys), flops = counted_flops(projected_qk, module, hidden, hidden.shape[1], (cos, sin))
                     self.key_l1 = dart.key_l1_norms(keys)
+                elif stage.rank_by == RATERS:  # the text after the video over every key, read at the raters
+                    rows, flops = counted_flops(query_attention, module, hidden, cos, sin, self._after(hidden))
+                    self.scores, relation_flops = counted_flops(sparsevlm.relation, rows, self.rater_weights)
+                    flops += relation_flops
                 else:
                     self.scores, flops = counted_flops(last_token_attention, module, hidden, cos, sin)
                 self.flops += flops
@@ -277,6 +290,12 @@ class LayerPruner:
     def _reduce(self, index: int, layer, hidden: torch.Tensor, kwargs: dict) -> torch.Tensor:
         """The prefill's hidden states entering decoder layer `index` (`layer`, called with `kwargs`),
         after the schedule's stage there, if any."""
+        if index == 0 and any(s.rank_by == RATERS for s in self.schedule):
+            with self.work.timed():  # SparseVLM's raters, from the LLM's input
+                visual = self.visual.to(hidden.device)
+                after = torch.arange(self.first_after_visual, hidden.shape[1], device=hidden.device)
+                self.rater_weights, flops = counted_flops(sparsevlm.raters, hidden[0], visual, after)
+                self.flops += flops
         stage = self.stages.get(index)
         if stage is None:
             return hidden
@@ -326,6 +345,8 @@ class LayerPruner:
         self._start_cutting(hidden)
         local_visual = torch.searchsorted(self.kept, self.visual_kept)
         ranked = torch.argsort(self.scores[local_visual], descending=True, stable=True)
+        if stage.recycle:
+            return self._recycle(hidden, stage, local_visual, ranked)
         top = self.visual_kept[ranked[: stage.keep]].sort().values
         if stage.merge:
             dropped = self.visual_kept[ranked[stage.keep :]].sort().values
@@ -333,6 +354,21 @@ class LayerPruner:
             hidden, flops = counted_flops(merge_into_nearest, hidden, top_local, dropped_local)
             self.flops += flops
         return self._cut(hidden, top)
+
+    def _recycle(self, hidden: torch.Tensor, stage: Stage, local_visual, ranked) -> torch.Tensor:
+        """SparseVLM's stage: the keep - recycle top-ranked visual tokens stay; the best-ranked
+        int(0.3 p) + 1 of the p others are clustered (`sparsevlm.cluster_and_merge`) into `recycle`
+        tokens, each at its centre's prompt position. `ranked`: indices into the visual tokens, best first."""
+        selected = stage.keep - stage.recycle
+        members = ranked[selected : selected + sparsevlm.recycled_members(len(ranked) - selected)]
+        (merged, centres), flops = counted_flops(
+            sparsevlm.cluster_and_merge, hidden[0, local_visual[members]], stage.recycle
+        )
+        self.flops += flops
+        centre_positions = self.visual_kept[members[centres]]
+        out = self._cut(hidden, torch.cat([self.visual_kept[ranked[:selected]], centre_positions]).sort().values)
+        out[0, torch.searchsorted(self.kept, centre_positions)] = merged
+        return out
 
     def _start_cutting(self, hidden: torch.Tensor) -> None:
         """Before the first cut: every prompt position kept, the visual and text ones apart, on the

@@ -17,6 +17,10 @@ top `keep` stay, in their original order (ties: the earlier token first):
   models/pllava/llama.py:445-449, :514): q k^T / sqrt(head_dim) of that layer's q/k projections with
   no rotary and no causal mask, softmax over every key in float32 cast back to the model's dtype, max
   over those tokens and heads in that dtype (elastic_cache.py:125, :163);
+- `RATERS`: the attention the text raters (the text after the video most relevant to its visual
+  tokens at the LLM's input) pay them in the layer before the stage, from that layer's own q/k with
+  rotary and the causal mask, softmax in float32, mean over heads and raters (SparseVLM,
+  `baselines/sparsevlm.py`);
 - `DUPLICATION`: no attention: the pivots are the visual and text tokens of largest key L1 norm in the
   layer before the stage, and the kept tokens those least cosine-similar to them on the hidden states
   entering the stage through the LLM's final norm (DART, `baselines/dart.py`).
@@ -44,18 +48,22 @@ STAGE_INPUT = "stage_input"  # the same row from the stage layer's own norm and 
 BLOCK_ROWS = 4096
 TEXT_AFTER_VISUAL = "text_after_visual"  # text after the video, no rotary nor mask, max over them and heads (PruneVid)
 DUPLICATION = "duplication"  # least similar to the pivots of largest key L1 norm, before the stage layer (DART)
+RATERS = "raters"  # the text raters' attention in the layer before, mean over heads and raters (SparseVLM)
 
 
 @dataclass(frozen=True)
 class Stage:
     """From decoder layer `layer` (0-based) on, `keep` visual tokens remain, the best by `rank_by`;
     with `merge`, each dropped token's hidden state is first averaged into its most cosine-similar
-    kept token, in token order (HoliTom: kept = (kept + dropped) / 2 for each dropped in turn)."""
+    kept token, in token order (HoliTom: kept = (kept + dropped) / 2 for each dropped in turn); with
+    `recycle` > 0, `recycle` of the `keep` are the best-ranked dropped tokens clustered and averaged
+    (SparseVLM's recycling, `baselines/sparsevlm.py`), the other keep - recycle the top ranked."""
 
     layer: int
     keep: int
     rank_by: str = LAST_TOKEN
     merge: bool = False
+    recycle: int = 0
 
 
 @dataclass(frozen=True)

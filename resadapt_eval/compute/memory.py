@@ -55,7 +55,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..baselines import dart
-from ..baselines.inside_llm import BLOCK_ROWS, DUPLICATION, STAGE_INPUT, TEXT_AFTER_VISUAL
+from ..baselines.sparsevlm import recycled_members
+from ..baselines.inside_llm import BLOCK_ROWS, DUPLICATION, RATERS, STAGE_INPUT, TEXT_AFTER_VISUAL
 from .flops import BackboneDims, RowPlan, TextDims, VisionDims, block_segments, per_layer
 
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
@@ -191,9 +192,12 @@ def stage_bytes(x: TextDims, stage, tokens: int, visual: int, text: int, dtype: 
     b, block = dtype_bytes(dtype), min(tokens, BLOCK_ROWS)
     if stage.rank_by == DUPLICATION:
         return duplication_bytes(x, stage, tokens, visual, b)
-    rows = text if stage.rank_by == TEXT_AFTER_VISUAL else 1
+    rows = text if stage.rank_by in (TEXT_AFTER_VISUAL, RATERS) else 1
     total = (tokens + 2 * block) * x.kv_heads * x.head_dim * b
     total += 3 * x.heads * rows * tokens * F32
+    if stage.recycle:  # SparseVLM's members: gathered and float32 rows, weighted copy; float32 (m, m) distances
+        members = recycled_members(visual - (stage.keep - stage.recycle))
+        total += members * x.hidden * (2 * b + F32) + 4 * members**2 * F32
     if stage.rank_by == STAGE_INPUT:
         total += 2 * block * x.hidden * F32
     if stage.merge:
