@@ -6,8 +6,7 @@ A row is planned as a run plans it (`RunSpec` and its kind: `MethodKind.typical_
 
 from __future__ import annotations
 
-from .baselines import dart
-from .baselines import sparsevlm
+from .baselines import dart, sparsevlm
 from .baselines.inside_llm import DUPLICATION, RATERS
 from .budget.plan import TokenGrid
 from .budget.planner import Planner

@@ -398,18 +398,21 @@ def test_the_in_llm_rankings_and_merge_run_on_the_llm_s_device(tiny_models, fami
 
 
 @pytest.mark.parametrize("family", ["qwen25vl", "qwen3vl"])
-@pytest.mark.parametrize("rank_by", ["last_token", "stage_input", "duplication"])
+@pytest.mark.parametrize("rank_by", ["last_token", "stage_input", "duplication", "raters"])
 def test_a_pruning_stage_runs_through_its_layer_on_the_llm_s_device(tiny_models, family, rank_by, monkeypatch):
     """The prefill up to the layer after the stage: ranking in the layer before (or the stage's own
     input), the selection on the device, the pruned hidden states, rotary, positions and mask in the stage's
-    layer. The next layer's hook asks whether the pruned length is above 1, a question about data."""
+    layer (SparseVLM's: its raters at the first layer, 4 kept and 1 recycled of the 8 dropped). The next
+    layer's hook asks whether the pruned length is above 1, a question about data."""
     from resadapt_eval.backbones.layer_pruning import LayerPruner
     from resadapt_eval.baselines import dart
     from resadapt_eval.baselines.inside_llm import Stage
 
     monkeypatch.setattr(dart, "visiting_order", lambda pivots: pivots)  # its one read of data (above)
     entering, syncs, pruner = fake_prefill_until(
-        tiny_models[family][0], lambda llm: LayerPruner(llm, [Stage(4, 5, rank_by=rank_by)], torch.arange(4, 16)), 5
+        tiny_models[family][0],
+        lambda llm: LayerPruner(llm, [Stage(4, 5, rank_by, recycle=int(rank_by == "raters"))], torch.arange(4, 16)),
+        5,
     )
     assert on_fake_cuda(entering)
     assert syncs == 0  # the prefill, ranking and pick included, never reads the device on the host

@@ -45,8 +45,12 @@ Deviations from the reference:
 - the attention is softmaxed in float32 (the reference: in the model's dtype); where no text token
   is above the mean (one text token), every text token after the video rates (the reference's mean
   over no rater is NaN);
-- DPC-kNN without the reference's random noise of 1e-6 on the densities (which only breaks ties):
-  ties go to the earlier token, in every top-k and arg-min; distances in float32 from one matmul
+- DPC-kNN without the reference's random noise of 1e-6 on the densities, which orders tied densities at
+  random: here tied densities stay tied (neither token is the denser), and ties go to the earlier token
+  in every top-k and arg-min. Densities tie often: with one cluster (fewer than 10 members) k = 1
+  reaches only the token itself and every density is 1, so the reference's centre, the merged token's
+  position, is random (here the best-ranked member; the merged token is the same); with k = 2 each
+  pair of mutual nearest neighbours ties; distances in float32 (or wider) from one matmul
   (|a|^2 + |b|^2 - 2 a.b, as `torch.cdist`'s fast path) where the reference forms an (m, m, C)
   difference tensor in the model's dtype;
 - every visual token of the request is one pool, and the raters are the tokens after the last visual
@@ -163,11 +167,13 @@ def cluster_and_merge(x: torch.Tensor, clusters: int) -> tuple[torch.Tensor, tor
     """(merged (c, C), centres (c,)): DPC-kNN over the m rows of `x` (m, C), ordered by decreasing
     attention, into c = `clusters` clusters (`cluster_and_merge`, :658-728): centres by density x
     distance to a denser token, every row to its nearest centre, a cluster's token the sum of its rows
-    / (size + 1e-6) in x's dtype; `centres` index x's rows. Distances in float32; no host sync."""
+    / (size + 1e-6) in x's dtype; `centres` index x's rows. Distances in float32 (float64 for float64
+    rows); no host sync."""
     m, width = x.shape
-    rows = x.float()
+    rows = x.to(torch.promote_types(x.dtype, torch.float32))
     squared = rows.square().sum(dim=-1)
     dist = (squared[:, None] + squared[None, :] - 2 * rows @ rows.T).clamp_min(0).sqrt() / width**0.5
+    dist = (dist + dist.T).fill_diagonal_(0) / 2  # exactly symmetric, as the differences' norms are
     nearest = dist.sort(dim=-1, stable=True).values[:, :clusters]  # the k = c nearest, self included
     density = (-nearest.square().mean(dim=-1)).exp()
     denser = density[None, :] > density[:, None]  # [i, j]: j is denser than i

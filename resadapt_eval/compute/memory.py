@@ -55,8 +55,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..baselines import dart
-from ..baselines.sparsevlm import recycled_members
 from ..baselines.inside_llm import BLOCK_ROWS, DUPLICATION, RATERS, STAGE_INPUT, TEXT_AFTER_VISUAL
+from ..baselines.sparsevlm import recycled_members
 from .flops import BackboneDims, RowPlan, TextDims, VisionDims, block_segments, per_layer
 
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
