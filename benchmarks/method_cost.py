@@ -238,7 +238,8 @@ def decoder_layer(backbone: str, device: torch.device, dtype: torch.dtype):
 def in_llm_run(layer, rotary, stages, visual: int, num_layers: int, device, dtype):
     """A function running `stages` of a `LayerPruner` as the decoder layers' hooks do in a prefill of
     `visual` tokens between TEXT_BEFORE and TEXT_AFTER text tokens: the ranking in the layer before
-    (or the stage's own input), then the stage layer's input pruned, each on the tokens left."""
+    (or the stage's own input), then the stage layer's input pruned, each on the tokens left (after the
+    first layer's input hook, where SparseVLM chooses its raters)."""
     length = TEXT_BEFORE + visual + TEXT_AFTER
     hidden = torch.randn(1, length, layer.hidden_size, generator=torch.Generator().manual_seed(0)).to(device, dtype)
     positions = torch.arange(length, device=device).expand(3, 1, length)
@@ -251,6 +252,7 @@ def in_llm_run(layer, rotary, stages, visual: int, num_layers: int, device, dtyp
         pruner = LayerPruner(layers, list(stages), visual_positions)
         with pruner.attached():
             states, cos_sin = hidden, full
+            pruner._layer_input(0)(layer, (states,), {"position_embeddings": full})  # SparseVLM's raters, at the input
             for stage in stages:
                 pruner._ranker(stage)(layer.self_attn, (states,), {"position_embeddings": cos_sin})
                 (states, *_), kwargs = pruner._layer_input(stage.layer)(layer, (states,), {"position_embeddings": full})

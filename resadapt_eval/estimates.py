@@ -6,8 +6,8 @@ A row is planned as a run plans it (`RunSpec` and its kind: `MethodKind.typical_
 
 from __future__ import annotations
 
-from .baselines import dart, sparsevlm
-from .baselines.inside_llm import DUPLICATION, RATERS
+from .baselines import dart, mustdrop, sparsevlm
+from .baselines.inside_llm import DUAL_FILTER, DUPLICATION, RATERS
 from .budget.plan import TokenGrid
 from .budget.planner import Planner
 from .compute.flops import BackboneDims, RowPlan, SampleFlops, ranking_flops, sample_flops
@@ -71,6 +71,8 @@ def row_flops(
     ranking = None  # each stage's ranking, in the layer before it
     if plan.stages is not None:
         ranking = sum(stage_flops(dims.text, s, plan, text_tokens, i == 0) for i, s in enumerate(plan.stages))
+    cut = mustdrop.cut_layers(list(plan.stages or []))  # caches cut for decoding (MustDrop): key columns skipped
+    keys_dropped = max(0, output_tokens - 1) * sum(plan.prompt[i] - plan.prompt[plan.stages[-1].layer] for i in cut)
     flops = sample_flops(
         dims,
         method,
@@ -80,6 +82,7 @@ def row_flops(
         output_tokens,
         ranking,
         allocator=scoring,
+        decode_keys_dropped=keys_dropped,
         tower=plan.budget.tower,
     )
     return flops, plan.visual
@@ -87,10 +90,13 @@ def row_flops(
 
 def stage_flops(x, stage, plan: RowPlan, text_tokens: int, first: bool = False) -> int:
     """A stage's own FLOPs inside the LLM, from the prompt its layer before sees: DART's keys and
-    pivot similarities (`dart.ranking_flops`), SparseVLM's raters, their attention and its recycling
+    pivot similarities (`dart.ranking_flops`), MustDrop's text rows (`mustdrop.ranking_flops`, the
+    `text_tokens` taken as the text after the video), SparseVLM's raters, their attention and its recycling
     (`sparsevlm.ranking_flops`, the `text_tokens` taken as the text after the video; its raters on
     the `first` stage), else the last token's attention row (`ranking_flops`)."""
     length = plan.prompt[stage.layer - 1]
+    if stage.rank_by == DUAL_FILTER:
+        return mustdrop.ranking_flops(x, length, text_tokens)
     if stage.rank_by == RATERS:
         entering = length - (plan.prompt[0] - plan.visual)
         return sparsevlm.ranking_flops(x, length, entering, text_tokens, stage, plan.visual if first else 0)

@@ -551,12 +551,13 @@ class Compressor(InModel):
         if len(merged) != budget.entering:
             raise RuntimeError(f"{method.name} kept {len(merged)} tokens; the token budget counts {budget.entering}")
         vision_s, peak = timer.take(), peak_memory_mb(backbone.device)
-        inputs = self.then(backbone, inputs, budget)
+        inputs = self.then(backbone, inputs, budget, compressor.last)
         query_tokens = None if query is None else query.shape[0]
         return ModelInputs(inputs, merged, compressor.flops, vision_s, peak, compressor.seconds(), query_tokens)
 
-    def then(self, backbone, inputs, budget: TokenBudget):
-        """The compressed inputs as the engine runs them: as they are."""
+    def then(self, backbone, inputs, budget: TokenBudget, compression):
+        """The compressed inputs as the engine runs them (`compression`: what the compressor returned):
+        as they are."""
         return inputs
 
     def own_flops(self, method, dims, grids, retention, counted) -> int:
@@ -588,40 +589,56 @@ class CompressorThenPruner(Compressor):
             return
 
     def retention_floor(self, spec, planner, dims) -> RetentionFloor | None:
-        """At least one token per frame pair enters the LLM, then the method's own stage keeps fewer:
-        on P pairs of T tokens the layer average is at least that of P tokens entering over P T
-        (`inside_llm.entering_tokens`' floor), lowest at T the most a vanilla pair has; the least
-        over P up to the pairs of max_num_frames. None without the LLM's depth (`dims`)."""
+        """At least one token per frame pair enters the LLM (or the fewest its compressor keeps), then
+        the method's own stage keeps fewer: on P pairs of T tokens the layer average is at least that of
+        P such tokens entering over P T (`inside_llm.entering_tokens`' floor), lowest at T the most a
+        vanilla pair has; the least over P up to the pairs of max_num_frames. A schedule that keeps more
+        at a higher R (MustDrop's) can have a floor above the R asked: then the lowest R that reaches its
+        own floor. None without the LLM's depth (`dims`)."""
         if dims is None:
             return None
+        floor = self._floor_at(spec, planner, dims)
+        for _ in range(64):  # the floor grows with R: climb to the first R at or above its own floor
+            if floor.value <= spec.retention:
+                break
+            spec = dataclasses.replace(spec, budget=dataclasses.replace(spec.budget, retention=floor.value))
+            floor = self._floor_at(spec, planner, dims)
+        return floor
+
+    def _floor_at(self, spec, planner, dims) -> RetentionFloor:
+        """The floor of `retention_floor` with the schedule at `spec`'s retention."""
         largest, _ = planner.largest_pairs()
         most, layers = largest.visual_tokens, dims.text.layers
+        each = spec.method.compressor.fewest(largest.grids)  # the fewest such a pair keeps (one, or its compressor's)
         best = None
         for pairs in range(1, len(pair_frames(spec.frames_to_decode, planner.grid.temporal_patch)) + 1):
-            stages = InLLMPruner.schedule(spec, dims, pairs)
-            total = sum(layer_counts(stages, layers, pairs))
+            stages = InLLMPruner.schedule(spec, dims, pairs * each)
+            total = sum(layer_counts(stages, layers, pairs * each))
             if best is None or total / (layers * pairs * most) < best[0]:  # as `entering_tokens` states its floor
                 best = (total / (layers * pairs * most), pairs, stages, total / layers)
         value, pairs, stages, average = best
         return RetentionFloor(
             value,
-            "keeps at least 1 token per frame pair entering the LLM",
+            f"keeps at least {each} {token_word(each)} per frame pair entering the LLM",
             f"{pairs} pair{'s' if pairs > 1 else ''} of {most} tokens, the most a vanilla pair has at "
-            f"{planner.limits_text()}, one each entering this LLM of {layers} layers, then "
+            f"{planner.limits_text()}, {each} each entering this LLM of {layers} layers, then "
             f"{', '.join(f'{s.keep} from layer {s.layer}' for s in stages)}: {average:g} tokens on average",
         )
 
     def token_budget(self, spec, plans, reference, dims) -> TokenBudget:
         (plan,) = plans
         n, pairs, layers, first = plan.visual_tokens, len(plan.grids), dims.text.layers, dims.vision.deepstack
-        entering = entering_tokens(spec.method.prune, spec.retention, n, pairs, layers, spec.stage_layers, first)
+        fewest = spec.method.compressor.fewest(plan.grids)
+        entering = entering_tokens(spec.method.prune, spec.retention, n, fewest, layers, spec.stage_layers, first)
         share = entering / n
         keep = kept_count(share, n, pairs)
         stages = tuple(InLLMPruner.schedule(spec, dims, keep))
         return TokenBudget(reference, keep, tuple(layer_counts(stages, layers, keep)), share, stages)
 
-    def then(self, backbone, inputs, budget):
-        return backbone.pruned_inputs(inputs, budget.stages)
+    def then(self, backbone, inputs, budget, compression):
+        """A `LayerPruner` for the method's stages, keeping the tokens the compressor protected."""
+        protected = None if compression.protected is None else compression.protected[compression.kept]
+        return backbone.pruned_inputs(inputs, budget.stages, protected)
 
 
 class DecodePruner(Compressor):
@@ -636,7 +653,7 @@ class DecodePruner(Compressor):
         stage = spec.method.decode_prune(dims.text.layers, budget.entering, spec.retention, dims.vision.deepstack)
         return dataclasses.replace(budget, decode_stage=stage)
 
-    def then(self, backbone, inputs, budget):
+    def then(self, backbone, inputs, budget, compression):
         return backbone.decode_pruned_inputs(inputs, budget.decode_stage)
 
 

@@ -32,6 +32,7 @@ from .baselines import (
     holitom,
     illava,
     ipcv,
+    mustdrop,
     pooling,
     prumerge_plus,
     prunevid,
@@ -276,6 +277,18 @@ register(
         REQUIRED_RETENTION,
         compressor=holitom.COMPRESSOR,
         prune=holitom.stages,
+    )
+)
+register(
+    Method(
+        "mustdrop",
+        "MustDrop",
+        "MustDrop",
+        COMPRESSOR_THEN_PRUNER,
+        REQUIRED_RETENTION,
+        compressor=mustdrop.COMPRESSOR,
+        prune=mustdrop.stages,
+        prune_layer_count=None,
     )
 )
 register(_compressor("pooling", "Pooling", "Pooling", pooling))

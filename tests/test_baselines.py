@@ -8,8 +8,9 @@ import torch
 
 from resadapt_eval.backbones.layout import VIDEO_TOKEN_TYPE
 from resadapt_eval.backbones.vision_attention import last_block_input
-from resadapt_eval.baselines import VisualTokens, kept_count
+from resadapt_eval.baselines import VisualTokens, kept_count, mustdrop
 from resadapt_eval.baselines.common import per_pair_budget
+from resadapt_eval.budget.plan import InfeasibleBudget
 from resadapt_eval.methods import AFTER_MERGER
 from resadapt_eval.methods import METHODS as REGISTRY
 
@@ -51,6 +52,12 @@ def test_at_r_1_every_method_equals_vanilla(adapters, backbone, method):
 @pytest.mark.parametrize("retention", [0.25, 0.1])
 def test_budgets_and_positions_at_low_retention(adapters, backbone, method, retention):
     adapter = adapters[backbone]
+    _, _, plan = vanilla_setup(adapter, 9)
+    merged_at_most = 8 * len(mustdrop.windows(plan.grids, "cpu"))  # MustDrop's vision stage: 8 a whole 3x3 window
+    if method == "mustdrop" and math.floor(retention * plan.visual_tokens) < plan.visual_tokens - merged_at_most:
+        with pytest.raises(InfeasibleBudget, match=f"MustDrop's merge of {merged_at_most // 8} whole 3x3 windows"):
+            compressed(adapter, method, retention, num_frames=9)
+        return
     inputs, sizes, full, plan = compressed(adapter, method, retention, num_frames=9)
     n = plan.visual_tokens
     expected = max(len(plan.grids), math.floor(Fraction(str(retention)) * n))  # never above the target R

@@ -25,9 +25,10 @@ from contextlib import contextmanager
 import torch
 import torch.nn.functional as F
 
-from ..baselines import dart, framefusion, sparsevlm
+from ..baselines import dart, framefusion, mustdrop, sparsevlm
 from ..baselines.inside_llm import (
     BLOCK_ROWS,
+    DUAL_FILTER,
     DUPLICATION,
     RATERS,
     STAGE_INPUT,
@@ -183,12 +184,22 @@ class LayerPruner:
     stage on (the visual and text positions copied there once): the ranking, the pick and every later
     layer's cut of the rotary, positions and mask read device indices, so a prefill makes no host
     sync (the text after the video, which PruneVid and DART read, is never pruned: its length is known
-    on the host), but one for a DART stage (its 8 pivots' indices, `dart.select`)."""
+    on the host), but one for a DART stage (its 8 pivots' indices, `dart.select`).
+
+    protected: (k,) prompt positions of visual tokens every stage keeps (MustDrop's key set). Stages
+    with `cut_cache` (MustDrop's) also cut, once the prefill ends, the KV caches of
+    `mustdrop.cut_layers` to the last stage's tokens; `keys_dropped` counts the key columns the
+    decoding steps then skip (for the FLOPs)."""
 
     in_prefill = True
 
     def __init__(
-        self, language_model, stages: list[Stage], visual_positions: torch.Tensor, stopwatch: Stopwatch | None = None
+        self,
+        language_model,
+        stages: list[Stage],
+        visual_positions: torch.Tensor,
+        stopwatch: Stopwatch | None = None,
+        protected: torch.Tensor | None = None,
     ):
         self.layers = language_model.layers
         self.language_model = language_model
@@ -197,6 +208,9 @@ class LayerPruner:
         self.visual = visual_positions.cpu()  # host-side facts: the last visual position, the text positions
         self.first_after_visual = int(self.visual[-1]) + 1  # prompt index
         self.layer_tokens = layer_counts(stages, len(self.layers), len(self.visual))
+        self.protected = protected
+        self.cut_layers = mustdrop.cut_layers(self.schedule)
+        self.keys_dropped = 0
         self.flops = 0
         self.work = Spans(stopwatch or Stopwatch("cpu"))
 
@@ -211,7 +225,8 @@ class LayerPruner:
     @contextmanager
     def attached(self):
         self.kept = None  # prompt indices the current layer sees (None: all)
-        self.kept_by_layer: dict[int, torch.Tensor] = {}
+        self.kept_by_layer: dict[int, torch.Tensor] = {}  # the prompt positions each layer saw in the prefill
+        self.cached: dict[int, torch.Tensor] = {}  # those its cache holds while decoding, where cut since
         self.scores = None
         self.rater_weights = None  # SparseVLM's raters among the text after the video
         handles = [
@@ -219,6 +234,8 @@ class LayerPruner:
             for i, layer in enumerate(self.layers)
         ]
         handles += self._ranking_hooks()
+        if self.cut_layers:
+            handles.append(self.language_model.register_forward_hook(self._after_prefill, with_kwargs=True))
         try:
             yield self
         finally:
@@ -237,6 +254,9 @@ class LayerPruner:
                 elif stage.rank_by == DUPLICATION:  # this layer's keys; the stage layer's input picks the tokens
                     (_, keys), flops = counted_flops(projected_qk, module, hidden, hidden.shape[1], (cos, sin))
                     self.key_l1 = dart.key_l1_norms(keys)
+                elif stage.rank_by == DUAL_FILTER:  # the text after the video over every key, both filters
+                    rows, flops = counted_flops(query_attention, module, hidden, cos, sin, self._after(hidden))
+                    self.scores = mustdrop.dual_filter_scores(rows, self._visual_rows(hidden), stage.thresholds)
                 elif stage.rank_by == RATERS:  # the text after the video over every key, read at the raters
                     rows, flops = counted_flops(query_attention, module, hidden, cos, sin, self._after(hidden))
                     self.scores, relation_flops = counted_flops(sparsevlm.relation, rows, self.rater_weights)
@@ -253,9 +273,11 @@ class LayerPruner:
             prefill = hidden.shape[1] > 1
             if prefill:
                 hidden = self._reduce(index, module, hidden, kwargs)
+            elif index in self.cut_layers:  # a decoding step skips the columns cut after the prefill
+                self.keys_dropped += self.dropped_columns[index]
             if prefill and self.kept is not None:
                 self.kept_by_layer[index] = self.kept
-            kept = self.kept_by_layer.get(index)
+            kept = self.kept_by_layer.get(index) if prefill else self.cached.get(index, self.kept_by_layer.get(index))
             if kept is None:
                 return None
             kwargs = dict(kwargs)
@@ -277,7 +299,7 @@ class LayerPruner:
         """The attention mask of a layer that sees the prompt positions `kept`. The prefill's mask spans
         the prompt; a decoding step's spans the first layer's cache (the prompt, or what a reduction at
         the first layer kept of it), then the generated tokens."""
-        first = self.kept_by_layer.get(0)
+        first = self.kept_by_layer.get(0) if prefill else self.cached.get(0, self.kept_by_layer.get(0))
         if prefill:
             return mask[..., kept, :][..., kept]
         if first is None:
@@ -344,7 +366,10 @@ class LayerPruner:
         visual ones) and `text` (never pruned), sorted, on the hidden states' device."""
         self._start_cutting(hidden)
         local_visual = torch.searchsorted(self.kept, self.visual_kept)
-        ranked = torch.argsort(self.scores[local_visual], descending=True, stable=True)
+        scores = self.scores[local_visual]
+        if self.protected is not None:  # the compressor's protected tokens first
+            scores = scores.masked_fill(torch.isin(self.visual_kept, self.protected.to(scores.device)), math.inf)
+        ranked = torch.argsort(scores, descending=True, stable=True)
         if stage.recycle:
             return self._recycle(hidden, stage, local_visual, ranked)
         top = self.visual_kept[ranked[: stage.keep]].sort().values
@@ -369,6 +394,27 @@ class LayerPruner:
         out = self._cut(hidden, torch.cat([self.visual_kept[ranked[:selected]], centre_positions]).sort().values)
         out[0, torch.searchsorted(self.kept, centre_positions)] = merged
         return out
+
+    def _visual_rows(self, hidden: torch.Tensor) -> torch.Tensor:
+        """(n,) rows of the visual tokens in the current sequence, on the hidden states' device."""
+        if self.kept is None:
+            return self.visual.to(hidden.device)
+        return torch.searchsorted(self.kept, self.visual_kept)
+
+    def _after_prefill(self, module, args, kwargs, output) -> None:
+        """Once the prefill ends: the KV caches of `cut_layers` keep only the last stage's tokens (MustDrop's
+        decoding stage), so the decoding steps' masks (sized by the first layer's cache) follow."""
+        if output.last_hidden_state.shape[1] == 1 or not self.cut_layers:
+            return
+        final = self.kept_by_layer[self.schedule[-1].layer]
+        self.dropped_columns = {}
+        for index in self.cut_layers:
+            held = self.kept_by_layer.get(index)  # None: the whole prompt, its positions its columns
+            columns = final if held is None else torch.searchsorted(held, final)
+            layer = output.past_key_values.layers[index]
+            layer.keys, layer.values = layer.keys[:, :, columns], layer.values[:, :, columns]
+            self.dropped_columns[index] = (self.prompt_length if held is None else len(held)) - len(final)
+            self.cached[index] = final
 
     def _start_cutting(self, hidden: torch.Tensor) -> None:
         """Before the first cut: every prompt position kept, the visual and text ones apart, on the

@@ -291,12 +291,13 @@ class QwenVideoAdapter:
         """(N,) indices of the video tokens in the prompt of `inputs`."""
         return torch.nonzero(inputs["mm_token_type_ids"][0] == VIDEO_TOKEN_TYPE).flatten()
 
-    def pruned_inputs(self, inputs: dict, stages) -> PrunedInputs:
+    def pruned_inputs(self, inputs: dict, stages, protected: torch.Tensor | None = None) -> PrunedInputs:
         """`inputs` (from `build_inputs`, or `build_compressed_inputs` for a compressor with its own
-        stage in the LLM) with a `LayerPruner` running `stages` (the token budget's schedule)."""
-        return PrunedInputs(
-            inputs, LayerPruner(self.model.model.language_model, stages, self.visual_positions(inputs), self.stopwatch)
-        )
+        stage in the LLM) with a `LayerPruner` running `stages` (the token budget's schedule);
+        `protected`: (N,) bool over the visual tokens, those the stages must keep."""
+        visual = self.visual_positions(inputs)
+        keep = None if protected is None else visual[protected.to(visual.device)]
+        return PrunedInputs(inputs, LayerPruner(self.model.model.language_model, stages, visual, self.stopwatch, keep))
 
     def fusion_inputs(self, inputs: dict, budget: int) -> PrunedInputs:
         """`inputs` (from `build_inputs`) with a `FusionPruner` holding the prefill to `budget` visual

@@ -99,7 +99,8 @@ class TokenCompressor:
     reads_attention: it reads the attention received in the last ViT block and its keys;
     reads_query: it reads the question's embeddings (`VisualTokens.query`);
     config_flops: `(pair_sizes, keep, vision) -> FLOPs` of its work from configs alone (`vision`:
-    the tower's `VisionDims`), or None when the work depends on the features and is counted in a run."""
+    the tower's `VisionDims`), or None when the work depends on the features and is counted in a run;
+    fewest_per_pair: `(t, h, w) grid -> tokens`, the fewest a frame pair of that grid can keep (None: one)."""
 
     compress: Callable
     working_bytes: Callable[[list[int], int, int], int]
@@ -107,15 +108,23 @@ class TokenCompressor:
     reads_attention: bool = False
     reads_query: bool = False
     config_flops: Callable | None = None
+    fewest_per_pair: Callable | None = None
+
+    def fewest(self, grids) -> int:
+        """The fewest tokens it can keep of a video of these (t, h, w) pair grids."""
+        return sum(self.fewest_per_pair(tuple(g)) for g in grids) if self.fewest_per_pair else len(grids)
 
 
 @dataclass(frozen=True)
 class Compression:
     """assignment: (N,) long, a token's group destination or DROPPED; weights: (N,) float, each
-    token's weight in its group's feature (ignored for dropped tokens), or None for the mean."""
+    token's weight in its group's feature (ignored for dropped tokens), or None for the mean;
+    protected: (N,) bool, destinations a stage inside the LLM after the compressor must keep
+    (MustDrop's key set), or None."""
 
     assignment: torch.Tensor
     weights: torch.Tensor | None = None
+    protected: torch.Tensor | None = None
 
     @property
     def kept(self) -> torch.Tensor:

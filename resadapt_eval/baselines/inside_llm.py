@@ -21,6 +21,10 @@ top `keep` stay, in their original order (ties: the earlier token first):
   tokens at the LLM's input) pay them in the layer before the stage, from that layer's own q/k with
   rotary and the causal mask, softmax in float32, mean over heads and raters (SparseVLM,
   `baselines/sparsevlm.py`);
+- `DUAL_FILTER`: the attention of every text token after the video in the layer before the stage
+  (its own q/k, rotary, causal mask, softmax in float32, mean over heads): each visual token's larger
+  of its summed attention over a global threshold's share and its largest over an individual
+  threshold (MustDrop, `baselines/mustdrop.py`); tokens the compressor before protected rank first;
 - `DUPLICATION`: no attention: the pivots are the visual and text tokens of largest key L1 norm in the
   layer before the stage, and the kept tokens those least cosine-similar to them on the hidden states
   entering the stage through the LLM's final norm (DART, `baselines/dart.py`).
@@ -49,6 +53,7 @@ BLOCK_ROWS = 4096
 TEXT_AFTER_VISUAL = "text_after_visual"  # text after the video, no rotary nor mask, max over them and heads (PruneVid)
 DUPLICATION = "duplication"  # least similar to the pivots of largest key L1 norm, before the stage layer (DART)
 RATERS = "raters"  # the text raters' attention in the layer before, mean over heads and raters (SparseVLM)
+DUAL_FILTER = "dual_filter"  # the text after the video's summed and largest attention, thresholds scaled (MustDrop)
 
 
 @dataclass(frozen=True)
@@ -57,13 +62,18 @@ class Stage:
     with `merge`, each dropped token's hidden state is first averaged into its most cosine-similar
     kept token, in token order (HoliTom: kept = (kept + dropped) / 2 for each dropped in turn); with
     `recycle` > 0, `recycle` of the `keep` are the best-ranked dropped tokens clustered and averaged
-    (SparseVLM's recycling, `baselines/sparsevlm.py`), the other keep - recycle the top ranked."""
+    (SparseVLM's recycling, `baselines/sparsevlm.py`), the other keep - recycle the top ranked; with
+    `cut_cache`, once the prefill ends the KV caches from the layer before the first such stage to the
+    layer before the last keep only the last stage's tokens (MustDrop's decoding stage); `thresholds`:
+    a DUAL_FILTER stage's (global, individual) thresholds."""
 
     layer: int
     keep: int
     rank_by: str = LAST_TOKEN
     merge: bool = False
     recycle: int = 0
+    cut_cache: bool = False
+    thresholds: tuple[float, float] | None = None
 
 
 @dataclass(frozen=True)

@@ -55,7 +55,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..baselines import dart
-from ..baselines.inside_llm import BLOCK_ROWS, DUPLICATION, RATERS, STAGE_INPUT, TEXT_AFTER_VISUAL
+from ..baselines.inside_llm import BLOCK_ROWS, DUAL_FILTER, DUPLICATION, RATERS, STAGE_INPUT, TEXT_AFTER_VISUAL
 from ..baselines.sparsevlm import recycled_members
 from .flops import BackboneDims, RowPlan, TextDims, VisionDims, block_segments, per_layer
 
@@ -192,7 +192,7 @@ def stage_bytes(x: TextDims, stage, tokens: int, visual: int, text: int, dtype: 
     b, block = dtype_bytes(dtype), min(tokens, BLOCK_ROWS)
     if stage.rank_by == DUPLICATION:
         return duplication_bytes(x, stage, tokens, visual, b)
-    rows = text if stage.rank_by in (TEXT_AFTER_VISUAL, RATERS) else 1
+    rows = text if stage.rank_by in (TEXT_AFTER_VISUAL, RATERS, DUAL_FILTER) else 1
     total = (tokens + 2 * block) * x.kv_heads * x.head_dim * b
     total += 3 * x.heads * rows * tokens * F32
     if stage.recycle:  # SparseVLM's members: gathered and float32 rows, weighted copy; float32 (m, m) distances

@@ -55,15 +55,17 @@ def counted_flops(fn, *args, **kwargs):
 
 class CountedCall:
     """`fn` with every call counted and timed: `flops` is the total so far, `seconds()` the time its
-    calls took on `stopwatch` (`measure.clock.Stopwatch`: CUDA events on a GPU, read once at the end)."""
+    calls took on `stopwatch` (`measure.clock.Stopwatch`: CUDA events on a GPU, read once at the end),
+    `last` the last call's result."""
 
     def __init__(self, fn, stopwatch):
-        self.fn, self.flops, self.work = fn, 0, Spans(stopwatch)
+        self.fn, self.flops, self.work, self.last = fn, 0, Spans(stopwatch), None
 
     def __call__(self, *args, **kwargs):
         with self.work.timed():
             result, flops = counted_flops(self.fn, *args, **kwargs)
         self.flops += flops
+        self.last = result  # what a later stage reads of it (a compressor's protected tokens)
         return result
 
     def seconds(self) -> float:
