@@ -116,6 +116,7 @@ def lmms_args(text: str) -> dict:
         ("pyramiddrop", "3;3;3", r"prune_layers must be strictly increasing, got \[3, 3, 3\]"),
         ("fastv", "2;4", "prune_layers='2;4' names 2 layers; method=fastv prunes at 1 layer"),
         ("pyramiddrop", "", "prune_layers is empty"),
+        ("mustdrop", "2;2", r"model_args prune_layers must be strictly increasing, got \[2, 2\]"),
         ("sparsevlm", "3;6", r"model_args prune_layers \[3, 6\]: SparseVLM's reference schedules have 1 stage or 3"),
     ],
 )

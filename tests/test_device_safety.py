@@ -398,11 +398,12 @@ def test_the_in_llm_rankings_and_merge_run_on_the_llm_s_device(tiny_models, fami
 
 
 @pytest.mark.parametrize("family", ["qwen25vl", "qwen3vl"])
-@pytest.mark.parametrize("rank_by", ["last_token", "stage_input", "duplication", "raters"])
+@pytest.mark.parametrize("rank_by", ["last_token", "stage_input", "duplication", "raters", "dual_filter"])
 def test_a_pruning_stage_runs_through_its_layer_on_the_llm_s_device(tiny_models, family, rank_by, monkeypatch):
     """The prefill up to the layer after the stage: ranking in the layer before (or the stage's own
     input), the selection on the device, the pruned hidden states, rotary, positions and mask in the stage's
-    layer (SparseVLM's: its raters at the first layer, 4 kept and 1 recycled of the 8 dropped). The next
+    layer (SparseVLM's: its raters at the first layer, 4 kept and 1 recycled of the 8 dropped; MustDrop's with
+    two protected tokens). The next
     layer's hook asks whether the pruned length is above 1, a question about data."""
     from resadapt_eval.backbones.layer_pruning import LayerPruner
     from resadapt_eval.baselines import dart
@@ -411,7 +412,12 @@ def test_a_pruning_stage_runs_through_its_layer_on_the_llm_s_device(tiny_models,
     monkeypatch.setattr(dart, "visiting_order", lambda pivots: pivots)  # its one read of data (above)
     entering, syncs, pruner = fake_prefill_until(
         tiny_models[family][0],
-        lambda llm: LayerPruner(llm, [Stage(4, 5, rank_by, recycle=int(rank_by == "raters"))], torch.arange(4, 16)),
+        lambda llm: LayerPruner(
+            llm,
+            [Stage(4, 5, rank_by, recycle=int(rank_by == "raters"), thresholds=(0.001, 0.001))],
+            torch.arange(4, 16),
+            protected=torch.tensor([6, 9]) if rank_by == "dual_filter" else None,
+        ),
         5,
     )
     assert on_fake_cuda(entering)
@@ -518,18 +524,19 @@ def test_the_allocator_scores_frames_on_its_device(policy, modes, encoder):
     assert p1.shape == (2, 6) and [s.shape for s in scales] == [(6,)] * len(modes)
 
 
-@pytest.mark.parametrize("method", ["tome", "dycoke"])
-def test_the_shape_static_compressors_run_on_the_features_device(method):
-    """ToMe and DyCoke select without reading values back: their whole `compress` runs on fake CUDA
-    features, its assignment stays on their device, and `merge_groups` merges there."""
+@pytest.mark.parametrize("method, keep", [("tome", 20), ("dycoke", 20), ("mustdrop", 40)])
+def test_the_shape_static_compressors_run_on_the_features_device(method, keep):
+    """ToMe, DyCoke and MustDrop's window merge select without reading values back: their whole `compress`
+    runs on fake CUDA features, its assignment stays on their device, and `merge_groups` merges there."""
     import importlib
 
     from resadapt_eval.baselines.common import VisualTokens, merge_groups
 
     compress = importlib.import_module(f"resadapt_eval.baselines.{method}").compress
     with fake_cuda():
-        tokens = VisualTokens(torch.randn(64, 8, device="cuda", dtype=torch.bfloat16), [16] * 4, [(1, 4, 4)] * 4)
-        compression = compress(tokens, 20, 0)
+        features, received = torch.randn(64, 8, device="cuda", dtype=torch.bfloat16), torch.rand(64, device="cuda")
+        tokens = VisualTokens(features, [16] * 4, [(1, 4, 4)] * 4, received_attention=received)
+        compression = compress(tokens, keep, 0)
         kept, sizes, (merged,) = merge_groups(compression, tokens.features)
     assert compression.assignment.device == CUDA and compression.assignment.shape == (64,)
     assert on_fake_cuda(kept, sizes, merged)
