@@ -13,6 +13,7 @@ from types import SimpleNamespace
 import pytest
 from safetensors import safe_open
 
+from resadapt_eval.baselines import mustdrop
 from resadapt_eval.compute.configs import KNOWN_CONFIGS
 from resadapt_eval.compute.flops import (
     decode_flops,
@@ -44,6 +45,7 @@ TARGETS = {
     ("qwen3vl", "ipcv"): 0.8,  # its in-LLM stage is DART's
     ("qwen25vl", "sparsevlm"): 0.6,  # one stage on a 4-layer LLM (its three default layers collapse), as FastV's
     ("qwen3vl", "sparsevlm"): 0.8,
+    ("qwen3vl", "mustdrop"): 0.8,  # its stage after the deepstack layers, and its window merge's floor (8 a window)
     # FrameFusion merges from layer 3 on Qwen3-VL (after its deepstack layers) and keeps a frame pair
     # there: a floor of (3 N + N / 2) / 4 N = 0.875 on 2 pairs
     ("qwen3vl", "framefusion"): 0.9,
@@ -260,6 +262,11 @@ def check_flops(record: dict, folder, backbone: str, method: str, target: float 
         per_key = 4 * dims.text.heads * dims.text.head_dim
         keys_dropped, rest = divmod(unpruned - record["decode_flops"], per_key)
         assert rest == 0 and keys_dropped >= 0
+    if spec.prune is not None:  # MustDrop's decoding stage: its cut caches' columns, in each step after the first
+        stages = spec.prune(dims.text.layers, record["visual_tokens"], target, None, dims.vision.deepstack)
+        final = text_tokens + (stages[-1].keep if stages else 0)
+        steps = max(0, record["output_tokens"] - 1)
+        keys_dropped = steps * sum(prompt[i] - final for i in mustdrop.cut_layers(stages))
     allocator = record["allocator_flops"]
     if spec.needs_allocator:  # the row of `resadapt-eval flops --allocator untrained --query-tokens <the query's>`
         from resadapt_eval.allocator import load_allocator
