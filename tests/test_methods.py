@@ -129,11 +129,11 @@ def test_paper_order_and_properties_come_from_the_registry():
 @pytest.mark.parametrize("where", ["registry", "config", "sweep"])
 def test_an_unregistered_method_is_rejected_with_the_known_ones(where):
     call = {
-        "registry": lambda: get_method("sparsevlm"),
-        "config": lambda: VideoPipelineConfig(method="sparsevlm"),
-        "sweep": lambda: plan_cells(["vanilla", "sparsevlm"], [0.25], [8]),
+        "registry": lambda: get_method("tokencarver"),
+        "config": lambda: VideoPipelineConfig(method="tokencarver"),
+        "sweep": lambda: plan_cells(["vanilla", "tokencarver"], [0.25], [8]),
     }[where]
-    with pytest.raises(ValueError, match="sparsevlm") as error:
+    with pytest.raises(ValueError, match="tokencarver") as error:
         call()
     assert all(name in str(error.value) for name in METHODS)
 
