@@ -234,8 +234,8 @@ class LayerPruner:
             for i, layer in enumerate(self.layers)
         ]
         handles += self._ranking_hooks()
-        if self.cut_layers:
-            handles.append(self.language_model.register_forward_hook(self._after_prefill, with_kwargs=True))
+        if self.cut_layers:  # after the last layer of the prefill every layer's cache is filled
+            handles.append(self.layers[-1].register_forward_hook(self._after_prefill, with_kwargs=True))
         try:
             yield self
         finally:
@@ -402,16 +402,18 @@ class LayerPruner:
         return torch.searchsorted(self.kept, self.visual_kept)
 
     def _after_prefill(self, module, args, kwargs, output) -> None:
-        """Once the prefill ends: the KV caches of `cut_layers` keep only the last stage's tokens (MustDrop's
-        decoding stage), so the decoding steps' masks (sized by the first layer's cache) follow."""
-        if output.last_hidden_state.shape[1] == 1 or not self.cut_layers:
+        """After the prefill's last decoder layer: the KV caches of `cut_layers` keep only the last stage's
+        tokens (MustDrop's decoding stage), so the decoding steps' masks (sized by the first layer's cache)
+        follow. One copy of those layers' cached keys and values."""
+        hidden = args[0] if args else kwargs["hidden_states"]
+        if hidden.shape[1] == 1:
             return
         final = self.kept_by_layer[self.schedule[-1].layer]
         self.dropped_columns = {}
         for index in self.cut_layers:
             held = self.kept_by_layer.get(index)  # None: the whole prompt, its positions its columns
             columns = final if held is None else torch.searchsorted(held, final)
-            layer = output.past_key_values.layers[index]
+            layer = kwargs["past_key_values"].layers[index]
             layer.keys, layer.values = layer.keys[:, :, columns], layer.values[:, :, columns]
             self.dropped_columns[index] = (self.prompt_length if held is None else len(held)) - len(final)
             self.cached[index] = final
