@@ -31,7 +31,7 @@ BAD = {
     "retention not a number": (dict(method="fixed_scale", retention="abc"), "retention='abc': expected float"),
     "strict not a boolean": (dict(strict="maybe"), "strict='maybe'"),
     "unknown dtype": (dict(dtype="bogus"), "dtype='bogus'"),
-    "unknown method": (dict(method="sparsevlm"), "unknown method 'sparsevlm'"),
+    "unknown method": (dict(method="tokencarver"), "unknown method 'tokencarver'"),
     "unknown argument": (dict(retension=0.25), "unknown model_args retension"),
     "retention for vanilla": (dict(retention=0.25), "has no retention target"),
 }

@@ -20,8 +20,8 @@ from .helpers import BACKBONES, attention_input, chat_prompt, first_logits_and_t
 TWO_STAGE = [name for name, m in METHODS.items() if m.compress is not None and m.prune is not None]
 
 
-def test_the_two_stage_methods_are_prunevid_and_holitom():
-    assert TWO_STAGE == ["prunevid", "holitom"]
+def test_the_two_stage_methods_are_prunevid_holitom_and_mustdrop():
+    assert TWO_STAGE == ["prunevid", "holitom", "mustdrop"]
 
 
 def test_stage_depths_and_shares_by_hand():

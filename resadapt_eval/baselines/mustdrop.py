@@ -81,7 +81,8 @@ def windows(grids: list[tuple[int, int, int]], device) -> torch.Tensor:
     window's tokens in row-major order (its last the bottom-right), pairs in order."""
     rows, offset = [], 0
     for t, h, w in grids:
-        grid = torch.arange(t * h * w).view(t, h, w)[:, : h // WINDOW * WINDOW, : w // WINDOW * WINDOW]
+        grid = torch.arange(t * h * w).view(t, h, w)  # cpu: built from the host's grids, moved once below
+        grid = grid[:, : h // WINDOW * WINDOW, : w // WINDOW * WINDOW]
         blocks = grid.unfold(1, WINDOW, WINDOW).unfold(2, WINDOW, WINDOW)  # (t, h/3, w/3, 3, 3)
         rows.append(blocks.reshape(-1, WINDOW * WINDOW) + offset)
         offset += t * h * w
