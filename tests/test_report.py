@@ -38,16 +38,26 @@ def sweep_cmd(output, methods, retention="0.25", limit=3, card=CARD):
 
 
 @pytest.fixture(scope="session")
-def run_dir(fixtures_dir, tmp_path_factory):
-    out = tmp_path_factory.mktemp("sweep")
-    proc = subprocess.run(
-        sweep_cmd(out, "vanilla,fixed_scale,resadapt", retention="0.5,0.25", limit=4),
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+def run_dir(fixtures_dir, tmp_path_factory, worker_id):
+    """One sweep for the whole session: under pytest-xdist the workers share it (built by the first to ask,
+    under a file lock, in the session's common temporary folder); its readers write only their own
+    subfolders (tables/, plots/)."""
+    from filelock import FileLock
+
+    root = tmp_path_factory.getbasetemp()
+    root = root if worker_id == "master" else root.parent  # the folder every worker of this session shares
+    out = root / "report_sweep"
+    with FileLock(str(root / "report_sweep.lock")):
+        if not (out / ".complete").exists():
+            proc = subprocess.run(
+                sweep_cmd(out, "vanilla,fixed_scale,resadapt", retention="0.5,0.25", limit=4),
+                cwd=REPO,
+                capture_output=True,
+                text=True,
+                timeout=900,
+            )
+            assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+            (out / ".complete").touch()
     return out
 
 
