@@ -11,7 +11,7 @@ VLLM_STAMP := $(VLLM_VENV)/.installed
 
 LINT_PATHS := resadapt_eval tests benchmarks
 
-.PHONY: demo test test-cli-matrix test-real-width lint test-vllm fixtures clean
+.PHONY: demo test test-slow test-cli-matrix test-real-width lint test-vllm fixtures clean
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -35,6 +35,11 @@ XDIST := -n auto --dist worksteal
 
 test: $(STAMP)
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q $(XDIST) -m "not slow" tests
+
+# Every test marked slow but the real-width ones: the CLI matrix below, Qwen3-VL's CLI runs, and integration
+# tests whose logic a `make test` test already runs on another path.
+test-slow: $(STAMP)
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q $(XDIST) -m slow tests --ignore=tests/test_real_width.py
 
 # Every token-reducing method through the lmms-eval CLI on both tiny backbones at R=0.25 and 0.1
 # (about 96 lmms-eval runs; `make test` runs one per method kind).

@@ -192,7 +192,7 @@ def test_tables_and_plots_read_a_sweep_run_in_parts_and_refuse_a_cell_twice(run_
 
 
 def test_killed_sweep_reruns_only_unfinished_cells(fixtures_dir, tmp_path):
-    cmd = sweep_cmd(tmp_path, "vanilla,fixed_scale,random_drop", limit=2)
+    cmd = sweep_cmd(tmp_path, "vanilla,fixed_scale,random_drop", limit=1)
     proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     first = tmp_path / "vanilla-f8" / "cell.json"
     deadline = time.time() + 300

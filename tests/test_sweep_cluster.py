@@ -303,6 +303,7 @@ def test_plots_and_tables_of_a_partial_sweep_list_the_cells_not_run(sequential, 
     assert "random_drop-r0.25-f8 (random_drop, R=0.25, 8 frames): not started" in capsys.readouterr().out
 
 
+@pytest.mark.slow  # the retry loop is the slurm-local test's above (`make test-slow`); 2 lmms-eval runs, 38 s
 def test_the_local_executor_retries_a_failing_cell(fixtures_dir, tmp_path):
     card = missing_videos_card(fixtures_dir, tmp_path / "data")
     grid = ["--methods", "fixed_scale", "--retention", "0.5", "--limit", "1"]
