@@ -230,13 +230,24 @@ def test_a_failing_cell_is_recorded_and_the_sweep_goes_on(fixtures_dir, tmp_path
     assert "failed cell vanilla-f8" in proc.stdout
 
 
-def test_a_changed_limit_does_not_reuse_finished_cells(fixtures_dir, tmp_path):
+def refused_in_process(capsys, cmd: list[str]) -> subprocess.CompletedProcess:
+    """A sweep command that stops at start (before any lmms-eval run), run in this process: its exit code and
+    what it printed (its interpreter start is the subprocess's only extra)."""
+    from resadapt_eval.cli import main
+
+    capsys.readouterr()
+    code = main(cmd[3:])  # past `python -m resadapt_eval.cli`
+    printed = capsys.readouterr()
+    return subprocess.CompletedProcess(cmd, code, printed.out, printed.err)
+
+
+def test_a_changed_limit_does_not_reuse_finished_cells(fixtures_dir, tmp_path, capsys):
     first = subprocess.run(sweep_cmd(tmp_path, "vanilla", limit=1), cwd=REPO, capture_output=True, text=True)
     assert first.returncode == 0, first.stdout[-2000:] + first.stderr[-2000:]
     cell = tmp_path / "vanilla-f8" / "cell.json"
     assert json.loads(cell.read_text())["samples"] == 1
 
-    changed = subprocess.run(sweep_cmd(tmp_path, "vanilla", limit=2), cwd=REPO, capture_output=True, text=True)
+    changed = refused_in_process(capsys, sweep_cmd(tmp_path, "vanilla", limit=2))
     assert changed.returncode == 2
     assert "vanilla-f8 changed: limit: 1 -> 2" in changed.stderr and "--rerun-changed" in changed.stderr
     assert json.loads(cell.read_text())["samples"] == 1  # untouched
@@ -249,20 +260,10 @@ def test_a_changed_limit_does_not_reuse_finished_cells(fixtures_dir, tmp_path):
     meta = json.loads(cell.read_text())
     assert (meta["status"], meta["samples"], meta["config"]["limit"]) == ("done", 2, 2)
     # --model-args extends the card's model_args: part of every cell's configuration
-    extra = subprocess.run(
-        sweep_cmd(tmp_path, "vanilla", limit=2) + ["--model-args", "max_pixels=50176"],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-    )
+    extra = refused_in_process(capsys, sweep_cmd(tmp_path, "vanilla", limit=2) + ["--model-args", "max_pixels=50176"])
     assert extra.returncode == 2 and "card.model_args.max_pixels: None -> '50176'" in extra.stderr
     # a model_arg the cells set themselves stops at start with one line naming the option to use
-    clash = subprocess.run(
-        sweep_cmd(tmp_path, "vanilla", limit=2) + ["--model-args", "retention=0.1"],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-    )
+    clash = refused_in_process(capsys, sweep_cmd(tmp_path, "vanilla", limit=2) + ["--model-args", "retention=0.1"])
     assert clash.returncode == 2 and clash.stderr.strip().splitlines() == [
         "sweep: --model-args sets retention, which every cell sets itself; use --retention for retention"
     ]
