@@ -227,6 +227,7 @@ class LayerPruner:
         self.kept = None  # prompt indices the current layer sees (None: all)
         self.kept_by_layer: dict[int, torch.Tensor] = {}  # the prompt positions each layer saw in the prefill
         self.cached: dict[int, torch.Tensor] = {}  # those its cache holds while decoding, where cut since
+        self.dropped_columns: dict[int, int] = {}  # prompt columns each cut cache lost
         self.scores = None
         self.rater_weights = None  # SparseVLM's raters among the text after the video
         handles = [
@@ -406,14 +407,14 @@ class LayerPruner:
         tokens (MustDrop's decoding stage), so the decoding steps' masks (sized by the first layer's cache)
         follow. One copy of those layers' cached keys and values."""
         hidden = args[0] if args else kwargs["hidden_states"]
-        if hidden.shape[1] == 1:
+        cache = kwargs.get("past_key_values")
+        if hidden.shape[1] == 1 or cache is None:  # a decoding step, or a forward that caches nothing
             return
         final = self.kept_by_layer[self.schedule[-1].layer]
-        self.dropped_columns = {}
         for index in self.cut_layers:
             held = self.kept_by_layer.get(index)  # None: the whole prompt, its positions its columns
             columns = final if held is None else torch.searchsorted(held, final)
-            layer = kwargs["past_key_values"].layers[index]
+            layer = cache.layers[index]
             layer.keys, layer.values = layer.keys[:, :, columns], layer.values[:, :, columns]
             self.dropped_columns[index] = (self.prompt_length if held is None else len(held)) - len(final)
             self.cached[index] = final
