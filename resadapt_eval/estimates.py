@@ -90,16 +90,17 @@ def row_flops(
 
 def stage_flops(x, stage, plan: RowPlan, text_tokens: int, first: bool = False) -> int:
     """A stage's own FLOPs inside the LLM, from the prompt its layer before sees: DART's keys and
-    pivot similarities (`dart.ranking_flops`), MustDrop's text rows (`mustdrop.ranking_flops`, the
-    `text_tokens` taken as the text after the video), SparseVLM's raters, their attention and its recycling
-    (`sparsevlm.ranking_flops`, the `text_tokens` taken as the text after the video; its raters on
-    the `first` stage), else the last token's attention row (`ranking_flops`)."""
+    pivot similarities (`dart.ranking_flops`); the query rows of the text after the video (the
+    `text_tokens` taken as that text) for MustDrop, and for SparseVLM with its raters and recycling
+    (`sparsevlm.own_flops`, the raters on the `first` stage); else the last token's attention row
+    (`ranking_flops`)."""
     length = plan.prompt[stage.layer - 1]
     if stage.rank_by == DUAL_FILTER:
-        return mustdrop.ranking_flops(x, length, text_tokens)
+        return ranking_flops(x, length, text_tokens)
     if stage.rank_by == RATERS:
         entering = length - (plan.prompt[0] - plan.visual)
-        return sparsevlm.ranking_flops(x, length, entering, text_tokens, stage, plan.visual if first else 0)
+        extra = sparsevlm.own_flops(x.hidden, length, entering, text_tokens, stage, plan.visual if first else 0)
+        return ranking_flops(x, length, text_tokens) + extra
     if stage.rank_by == DUPLICATION:
         visual = length - (plan.prompt[0] - plan.visual)
         return dart.ranking_flops(x.hidden, x.kv_heads * x.head_dim, length, visual, stage.keep, text_tokens)

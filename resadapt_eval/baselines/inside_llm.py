@@ -155,6 +155,18 @@ def one_stage(
     return [Stage(k_layer, keep, rank_by)]
 
 
+def largest_within(average: Callable[[float], float], retention: float, high: float = 1.0) -> float:
+    """The largest x in [0, high] whose `average(x)` (growing with x) is not above `retention`: `high`
+    where it fits, else found by 60 halvings (PyramidDrop's lambda, SparseVLM's scale, MustDrop's rho)."""
+    if average(high) <= retention:
+        return high
+    low = 0.0
+    for _ in range(60):
+        mid = (low + high) / 2
+        low, high = (mid, high) if average(mid) <= retention else (low, mid)
+    return low
+
+
 def infeasible(retention: float, stages: list[Stage], num_layers: int, visual: int, what: str) -> InfeasibleBudget:
     return InfeasibleBudget(retention, layer_average(stages, num_layers, visual), what)
 

@@ -63,8 +63,8 @@ import torch
 import torch.nn.functional as F
 
 from ..budget.plan import InfeasibleBudget
-from .common import Compression, TokenCompressor, VisualTokens, top
-from .inside_llm import DUAL_FILTER, Stage, check_layers, scaled_layer
+from .common import F32, Compression, TokenCompressor, VisualTokens, top
+from .inside_llm import DUAL_FILTER, Stage, check_layers, largest_within, scaled_layer
 
 WINDOW = 3  # window_size (3, 3)
 KEY_SHARE = 0.08  # keep_rate of the key set (clip_encoder.py:102)
@@ -132,7 +132,7 @@ def compress(tokens: VisualTokens, keep: int, seed: int) -> Compression:
 def working_bytes(pair_sizes: list[int], width: int, b: int) -> int:
     """The windows' gathered rows (in float32) and their unit copies, and the 9 x 9 similarities."""
     n = sum(pair_sizes)
-    return 2 * n * width * 4 + n * WINDOW * WINDOW * 4
+    return 2 * n * width * F32 + n * WINDOW * WINDOW * F32
 
 
 def fewest_per_pair(grid: tuple[int, int, int]) -> int:
@@ -168,13 +168,7 @@ def pyramid_average(ratio: float, layers: list[int], num_layers: int) -> float:
 
 def stage_ratio(retention: float, layers: list[int], num_layers: int) -> float:
     """rho: the largest share per reduction whose pyramid average is at most `retention` (1 at R = 1)."""
-    low, high = 0.0, 1.0
-    if pyramid_average(high, layers, num_layers) <= retention:
-        return high
-    for _ in range(60):
-        mid = (low + high) / 2
-        low, high = (mid, high) if pyramid_average(mid, layers, num_layers) <= retention else (low, mid)
-    return low
+    return largest_within(lambda ratio: pyramid_average(ratio, layers, num_layers), retention)
 
 
 def stages(
@@ -210,20 +204,3 @@ def cut_layers(schedule: list[Stage]) -> range:
     the first stage to the layer before the last (the reference's 2 to 14)."""
     cut = [s for s in schedule if s.cut_cache]
     return range(cut[0].layer - 1, cut[-1].layer) if cut else range(0)
-
-
-def decode_layer_counts(counts: list[int], schedule: list[Stage]) -> list[int]:
-    """Visual tokens each layer's cache holds while decoding: the prefill's `counts`, the cut layers the last
-    stage's."""
-    layers = cut_layers(schedule)
-    return [schedule[-1].keep if i in layers else n for i, n in enumerate(counts)]
-
-
-def ranking_flops(x, length: int, text_after: int) -> int:
-    """FLOPs of a stage's ranking (TextDims `x`): the T queries and `length` keys of the layer before
-    (2 T H n_h d_h + 2 L H n_kv d_h + 2 n_h T L d_h)."""
-    return (
-        2 * text_after * x.hidden * x.heads * x.head_dim
-        + 2 * length * x.hidden * x.kv_heads * x.head_dim
-        + 2 * x.heads * text_after * length * x.head_dim
-    )

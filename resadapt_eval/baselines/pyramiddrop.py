@@ -49,7 +49,7 @@ from __future__ import annotations
 
 import math
 
-from .inside_llm import STAGE_INPUT, Stage, check_layers, infeasible, layer_average
+from .inside_llm import STAGE_INPUT, Stage, check_layers, infeasible, largest_within, layer_average
 
 
 def default_layers(num_layers: int, first_layer: int = 0) -> list[int]:
@@ -76,12 +76,5 @@ def stages(
         raise infeasible(
             retention, schedule(layers, visual, 0.0), num_layers, visual, f"PyramidDrop with stages at {layers}"
         )
-    low, high = 0.0, 1.0
-    if layer_average(schedule(layers, visual, 1.0), num_layers, visual) <= retention:
-        return schedule(layers, visual, 1.0)
-    for _ in range(60):  # the layer average grows with lambda
-        mid = (low + high) / 2
-        low, high = (
-            (mid, high) if layer_average(schedule(layers, visual, mid), num_layers, visual) <= retention else (low, mid)
-        )
-    return schedule(layers, visual, low)
+    ratio = largest_within(lambda x: layer_average(schedule(layers, visual, x), num_layers, visual), retention)
+    return schedule(layers, visual, ratio)

@@ -65,7 +65,7 @@ import math
 import torch
 
 from ..budget.plan import InfeasibleBudget
-from .inside_llm import RATERS, Stage, check_layers, layer_average, scaled_layer
+from .inside_llm import RATERS, Stage, check_layers, largest_within, layer_average, scaled_layer
 
 REFERENCE_LAYERS = 32  # LLaVA-1.5-7B's decoder layers, where pruning_loc is set
 PRUNING_LOC = (2, 6, 15)  # pruning after these layers: the stages start at the next one
@@ -128,22 +128,14 @@ def stages(
             f"not {len(layers)}"
         )
     shape = table_shape(retention, len(layers))
-    lowest = schedule(layers, visual, shape, 0.0)
-    if layer_average(lowest, num_layers, visual) > retention:
-        raise InfeasibleBudget(
-            retention, layer_average(lowest, num_layers, visual), f"SparseVLM with stages at {layers}"
-        )
 
     def average(scale: float) -> float:
         return layer_average(schedule(layers, visual, shape, scale), num_layers, visual)
 
-    low, high = 0.0, 1.0 / min(shape)  # at `high` no stage drops a token
-    if average(high) <= retention:
-        return schedule(layers, visual, shape, high)
-    for _ in range(60):  # the layer average grows with the scale
-        mid = (low + high) / 2
-        low, high = (mid, high) if average(mid) <= retention else (low, mid)
-    return schedule(layers, visual, shape, low)
+    if average(0.0) > retention:
+        raise InfeasibleBudget(retention, average(0.0), f"SparseVLM with stages at {layers}")
+    scale = largest_within(average, retention, high=1.0 / min(shape))  # at 1 / min(shape) no stage drops a token
+    return schedule(layers, visual, shape, scale)
 
 
 def raters(embeds: torch.Tensor, visual: torch.Tensor, after: torch.Tensor) -> torch.Tensor:
@@ -187,14 +179,10 @@ def cluster_and_merge(x: torch.Tensor, clusters: int) -> tuple[torch.Tensor, tor
     return merged, centres
 
 
-def ranking_flops(x, length: int, entering: int, text_after: int, stage: Stage, input_visual: int = 0) -> int:
-    """FLOPs of a stage's matmuls (TextDims `x`): the T = `text_after` queries and `length` keys of the
-    layer before (2 T H n_h d_h + 2 L H n_kv d_h + 2 n_h T L d_h), the raters' mean of its rows
-    (2 T L), the recycled members' distances
-    (2 m^2 H, m from the `entering` visual tokens) and, on the first stage, the raters over the
-    `input_visual` tokens at the LLM's input (2 N T H)."""
-    attention = 2 * text_after * x.hidden * x.heads * x.head_dim
-    attention += 2 * length * x.hidden * x.kv_heads * x.head_dim + 2 * x.heads * text_after * length * x.head_dim
-    attention += 2 * text_after * length
+def own_flops(hidden: int, length: int, entering: int, text_after: int, stage: Stage, input_visual: int = 0) -> int:
+    """FLOPs of a stage's matmuls besides its T = `text_after` query rows over `length` keys (counted as every
+    ranking's, `compute.flops.ranking_flops`): the raters' mean of those rows (2 T L), the recycled members'
+    distances (2 m^2 H, m from the `entering` visual tokens, H = `hidden`) and, on the first stage, the raters
+    over the `input_visual` tokens at the LLM's input (2 N T H)."""
     members = recycled_members(entering - (stage.keep - stage.recycle)) if stage.recycle else 0
-    return attention + 2 * members**2 * x.hidden + 2 * input_visual * text_after * x.hidden
+    return 2 * text_after * length + 2 * members**2 * hidden + 2 * input_visual * text_after * hidden

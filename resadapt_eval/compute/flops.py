@@ -289,13 +289,13 @@ def decode_flops(x: TextDims, prompt_tokens: int | list[int], output_tokens: int
     return steps * (token_linear(x) + 2 * x.hidden * x.vocab) + 4 * keys * x.heads * x.head_dim
 
 
-def ranking_flops(x: TextDims, length: int) -> int:
-    """The last token's attention row over `length` tokens in one layer (`inside_llm`): its query
-    2 H n_h d_h, every key 2 L H n_kv d_h, the scores 2 n_h L d_h."""
+def ranking_flops(x: TextDims, length: int, queries: int = 1) -> int:
+    """The attention rows of the last `queries` tokens (Q; 1: the last token's, `inside_llm`) over `length`
+    tokens in one layer: their queries 2 Q H n_h d_h, every key 2 L H n_kv d_h, the scores 2 n_h Q L d_h."""
     return (
-        2 * x.hidden * x.heads * x.head_dim
+        2 * queries * x.hidden * x.heads * x.head_dim
         + 2 * length * x.hidden * x.kv_heads * x.head_dim
-        + (2 * x.heads * length * x.head_dim)
+        + (2 * x.heads * queries * length * x.head_dim)
     )
 
 
