@@ -508,12 +508,24 @@ class AdaptiveInLLMPruner(InLLMPruner):
 
 class Compressor(InModel):
     """Encodes the vanilla plan, then compresses its merged tokens before the LLM to floor(R N)
-    (`baselines/<name>.compress`, run through `counting.CountedCall` so its work is counted)."""
+    (`baselines/<name>.compress`, run through `counting.CountedCall` so its work is counted): on the HF
+    path while it builds the inputs, on vLLM inside the engine's model (`backbones/vllm_compression.py`),
+    which reports what it kept with the engine's output."""
 
     name = "vision-side compressor"
     stage = AFTER_MERGER
+    hf, vllm, images = True, True, False
     slots = ("compressor",)
     untimed_work = None
+
+    def engine_args(self, spec) -> dict:
+        """vLLM's engine started for compression on request."""
+        return dict(token_compression=True)
+
+    def check_engine(self, spec, backbone) -> None:
+        if backbone.compresses_in_engine and spec.method.vllm_compressor:
+            return
+        super().check_engine(spec, backbone)
 
     def retention_floor(self, spec, planner, dims) -> RetentionFloor:
         """It keeps at least one token per frame pair of the vanilla plan (`kept_count`): one of the
@@ -532,6 +544,12 @@ class Compressor(InModel):
 
     def build(self, spec, backbone, request, video, plan, pairs, budget) -> ModelInputs:
         method, timer = spec.method, backbone.vision_timer
+        if backbone.compresses_in_engine:  # vLLM: its model compresses and reports
+            return ModelInputs(
+                backbone.build_compressed_request(
+                    request.prompt, video, plan, method.name, budget.share, spec.compression_seed, pairs
+                )
+            )
         compressor = CountedCall(spec.method.compress, timer.stopwatch)  # its work counted and timed
         query = backbone.question_embeddings(request.query) if method.needs_query else None
         reset_peak_memory(backbone.device)  # the tower runs here, before the engine call
@@ -579,7 +597,11 @@ class CompressorThenPruner(Compressor):
     (`inside_llm.entering_tokens`)."""
 
     name = "compressor plus in-LLM stage"
+    hf, vllm, images = True, False, False
     slots = ("compressor", "prune")
+
+    def engine_args(self, spec) -> dict:
+        return {}
 
     def check_llm(self, spec, dims) -> None:
         """Bad `prune_layers` only: the floor on every video is `retention_floor`'s."""

@@ -171,8 +171,14 @@ class Method:
 
     @property
     def vllm(self) -> bool:
-        """The vLLM engine runs it."""
-        return self.kind.vllm
+        """The vLLM engine runs it (of the compressors, those that do not read the question: the engine's
+        model sees the video item, not the prompt's text)."""
+        return self.kind.vllm and not self.needs_query
+
+    @property
+    def vllm_compressor(self) -> bool:
+        """A compressor the vLLM engine runs inside its model (`backbones/vllm_compression.py`)."""
+        return self.vllm and self.compressor is not None
 
     @property
     def images(self) -> bool:

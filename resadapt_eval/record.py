@@ -236,6 +236,9 @@ def build_record(
         record.input_tokens, record.output_tokens = len(generated.prompt_ids), generated.output_tokens
         record.generate_s = generated.seconds
         engine = generated.engine
+        if engine.merged_sizes is not None:  # a compressor that ran inside the engine
+            record.merged_sizes, record.compress_s = engine.merged_sizes, engine.compress_s
+            record.compress_s_reason = None
         record.first_token_s, record.per_token_s = engine.first_token_s, engine.per_token_s
         record.rank_s, record.prefill_s = engine.rank_s, engine.prefill_s
         if engine.rank_s is None:

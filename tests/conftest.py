@@ -73,3 +73,62 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+def report_sweep_folder(config) -> Path:
+    """Where the session's report sweep goes: a folder every pytest-xdist worker of the session shares
+    (the parent of a worker's base temporary folder)."""
+    base = config._tmp_path_factory.getbasetemp()  # pytest's tmp_path_factory, before any fixture exists
+    return (base.parent if hasattr(config, "workerinput") else base) / "report_sweep"
+
+
+REPORT_SWEEP_RUN = pytest.StashKey()  # the background sweep this process started, if any
+
+
+def pytest_collection_modifyitems(session, config, items):
+    """Start the report sweep (`REPORT_GRID`) in the background as soon as the session knows a test reads
+    it, so that no worker sits waiting for it later: the first worker to get here starts it, under a lock."""
+    if not any("report_sweep" in getattr(item, "fixturenames", ()) for item in items):
+        return
+    import shlex
+    import subprocess
+
+    from filelock import FileLock
+
+    from .helpers import REPO, REPORT_GRID, sweep_cmd
+
+    out = report_sweep_folder(config)
+    locked_fixtures(FIXTURES)  # the sweep's card reads the tiny checkpoints
+    with FileLock(str(out.parent / "report_sweep.lock")):
+        if (out.parent / "report_sweep.log").exists():
+            return
+        command = shlex.join(sweep_cmd(out, **REPORT_GRID))
+        ended = f"touch {out.parent / 'report_sweep.done'} || touch {out.parent / 'report_sweep.failed'}"
+        log = (out.parent / "report_sweep.log").open("w")
+        config.stash[REPORT_SWEEP_RUN] = subprocess.Popen(
+            ["sh", "-c", f"{command} && {ended}"], cwd=REPO, stdout=log, stderr=subprocess.STDOUT
+        )
+
+
+def pytest_sessionfinish(session):
+    """A background report sweep still running when the session ends (an interrupted run) ends with it."""
+    run = session.config.stash.get(REPORT_SWEEP_RUN, None)
+    if run is not None and run.poll() is None:
+        run.terminate()
+        run.wait()
+
+
+@pytest.fixture(scope="session")
+def report_sweep(request):
+    """The session's report sweep (`REPORT_GRID`, started at collection): its readers write only their own
+    subfolders (tables/, plots/) or copy it."""
+    import time
+
+    out = report_sweep_folder(request.config)
+    deadline = time.monotonic() + 900
+    while not (out.parent / "report_sweep.done").exists():
+        log = out.parent / "report_sweep.log"
+        assert not (out.parent / "report_sweep.failed").exists(), log.read_text()[-3000:]
+        assert time.monotonic() < deadline, f"the report sweep did not end within 900 s: {log}"
+        time.sleep(0.5)
+    return out

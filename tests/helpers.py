@@ -353,3 +353,27 @@ def train_cli(*args, timeout: int = 900) -> subprocess.CompletedProcess:
         text=True,
         timeout=timeout,
     )
+
+
+# the session's report sweep (conftest.report_sweep): tables, plots and the cluster tests read it
+REPORT_GRID = dict(methods="vanilla,fixed_scale,resadapt", retention="0.5,0.25", limit=4)
+
+
+def sweep_cmd(output, methods, retention="0.25", limit=3, card=None):
+    """`resadapt-eval sweep` of `methods` x `retention` on the tiny Qwen2.5-VL card (or `card`)."""
+    return [
+        sys.executable,
+        "-m",
+        "resadapt_eval.cli",
+        "sweep",
+        "--card",
+        str(card or REPO / "model_cards" / "tiny-qwen25vl.yaml"),
+        "--methods",
+        methods,
+        "--retention",
+        retention,
+        "--output",
+        str(output),
+        "--limit",
+        str(limit),
+    ]

@@ -118,6 +118,7 @@ def test_an_engine_that_prunes_runs_only_its_pruning_method(adapters):
 
     class PruningEngine:  # what VideoPipeline reads of a vLLM engine built for evs at R=0.1
         layout, device, compresses_tokens = adapters["qwen25vl"].layout, torch.device("cpu"), False
+        compresses_in_engine = False
         video_pruning_method, video_pruning_rate = "evs", get_method("evs").pruning_rate(0.1)
 
     assert 1.0 - PruningEngine.video_pruning_rate >= 0.1  # floor(R N) tokens are kept, not one fewer

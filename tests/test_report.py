@@ -14,56 +14,13 @@ from resadapt_eval.report.plots import pareto_lines, write_plots
 from resadapt_eval.report.tables import build_tables, to_latex, to_markdown
 from resadapt_eval.sweep import load_card, plan_cells, sweep_configs
 
-from .helpers import REPO
+from .helpers import REPO, sweep_cmd
 
 CARD = REPO / "model_cards" / "tiny-qwen25vl.yaml"
 
 
-def sweep_cmd(output, methods, retention="0.25", limit=3, card=CARD):
-    return [
-        sys.executable,
-        "-m",
-        "resadapt_eval.cli",
-        "sweep",
-        "--card",
-        str(card),
-        "--methods",
-        methods,
-        "--retention",
-        retention,
-        "--output",
-        str(output),
-        "--limit",
-        str(limit),
-    ]
-
-
-@pytest.fixture(scope="session")
-def run_dir(fixtures_dir, tmp_path_factory, worker_id):
-    """One sweep for the whole session: under pytest-xdist the workers share it (built by the first to ask,
-    under a file lock, in the session's common temporary folder); its readers write only their own
-    subfolders (tables/, plots/)."""
-    from filelock import FileLock
-
-    root = tmp_path_factory.getbasetemp()
-    root = root if worker_id == "master" else root.parent  # the folder every worker of this session shares
-    out = root / "report_sweep"
-    with FileLock(str(root / "report_sweep.lock")):
-        if not (out / ".complete").exists():
-            proc = subprocess.run(
-                sweep_cmd(out, "vanilla,fixed_scale,resadapt", retention="0.5,0.25", limit=4),
-                cwd=REPO,
-                capture_output=True,
-                text=True,
-                timeout=900,
-            )
-            assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-            (out / ".complete").touch()
-    return out
-
-
-def test_sweep_cells_and_records(run_dir):
-    cells = sorted(p.parent.name for p in run_dir.glob("*/cell.json"))
+def test_sweep_cells_and_records(report_sweep):
+    cells = sorted(p.parent.name for p in report_sweep.glob("*/cell.json"))
     assert cells == [
         "fixed_scale-r0.25-f8",
         "fixed_scale-r0.5-f8",
@@ -72,13 +29,13 @@ def test_sweep_cells_and_records(run_dir):
         "vanilla-f8",
     ]
     for name in cells:
-        meta = json.loads((run_dir / name / "cell.json").read_text())
+        meta = json.loads((report_sweep / name / "cell.json").read_text())
         assert meta["status"] == "done" and meta["error"] is None
-        assert (run_dir / name / meta["results"]).is_file()
+        assert (report_sweep / name / meta["results"]).is_file()
 
 
-def test_every_table_cell_equals_the_results_json_and_r_the_sidecar_mean(run_dir):
-    runs = collect(run_dir)
+def test_every_table_cell_equals_the_results_json_and_r_the_sidecar_mean(report_sweep):
+    runs = collect(report_sweep)
     (table,) = build_tables(runs)
     assert table.name == "video_qa" and table.columns == ["resadapt_smoke_videoqa"]
     assert len(table.rows) == 5
@@ -86,15 +43,15 @@ def test_every_table_cell_equals_the_results_json_and_r_the_sidecar_mean(run_dir
         # the tiny card runs the untrained Allocator on purpose, and its rows say so
         method = {"Vanilla": "vanilla", "FixedScale": "fixed_scale", "ResAdapt (untrained)": "resadapt"}[row["method"]]
         cell = "vanilla-f8" if row["target"] is None else f"{method}-r{row['target']:g}-f8"
-        meta = json.loads((run_dir / cell / "cell.json").read_text())
-        results = json.loads((run_dir / cell / meta["results"]).read_text())
+        meta = json.loads((report_sweep / cell / "cell.json").read_text())
+        results = json.loads((report_sweep / cell / meta["results"]).read_text())
         assert (
             row["resadapt_smoke_videoqa"]
             == results["results"]["resadapt_smoke_videoqa"]["videomme_perception_score,none"]
         )
         records = [
             json.loads(line)
-            for p in (run_dir / cell).rglob("resadapt_samples_*.jsonl")
+            for p in (report_sweep / cell).rglob("resadapt_samples_*.jsonl")
             for line in p.read_text().splitlines()
         ]
         assert len(records) == 4
@@ -107,19 +64,19 @@ def test_every_table_cell_equals_the_results_json_and_r_the_sidecar_mean(run_dir
     assert r"\toprule" in latex and r"\bottomrule" in latex and latex.count(r"\\") == 1 + 5
     # the CLI writes md, tex and csv
     proc = subprocess.run(
-        [sys.executable, "-m", "resadapt_eval.cli", "tables", str(run_dir), "--paper"],
+        [sys.executable, "-m", "resadapt_eval.cli", "tables", str(report_sweep), "--paper"],
         cwd=REPO,
         capture_output=True,
         text=True,
         timeout=300,
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
-    written = {p.name for p in (run_dir / "tables").iterdir()}
+    written = {p.name for p in (report_sweep / "tables").iterdir()}
     # with --paper, the paper's CAPO ablation beside our ResAdapt cells (no backbone or R to match)
     ablation = {"capo_dist_ablation.md", "capo_dist_ablation.csv"}
     assert written == {"video_qa.md", "video_qa.tex", "video_qa.csv", "latency.md", "latency.csv"} | ablation
     # the latency table from the same run: one row per cell, TFLOPs the sidecar means
-    latency = {(r["method"], r["R"]): r for r in csv.DictReader((run_dir / "tables" / "latency.csv").open())}
+    latency = {(r["method"], r["R"]): r for r in csv.DictReader((report_sweep / "tables" / "latency.csv").open())}
     assert len(latency) == 5 and all(float(r["ttft_ms"]) > 0 for r in latency.values())
     vanilla = next(r for r in latency.values() if r["method"] == "vanilla")
     assert float(vanilla["total_tflops"]) == pytest.approx(table.rows[0]["TFLOPs"])
@@ -143,8 +100,8 @@ def test_best_of_each_group_is_bold():
     assert "**60.0**" in to_markdown(table) and r"\textbf{60.0}" in to_latex(table)
 
 
-def test_plots_one_pareto_line_per_method(run_dir, tmp_path):
-    runs = collect(run_dir)
+def test_plots_one_pareto_line_per_method(report_sweep, tmp_path):
+    runs = collect(report_sweep)
     lines = pareto_lines(runs, "resadapt_smoke_videoqa", 8)
     assert sorted(lines) == ["fixed_scale", "resadapt", "vanilla"]
     assert len(lines["fixed_scale"]) == 2 and len(lines["vanilla"]) == 1
@@ -168,17 +125,17 @@ def test_plots_one_pareto_line_per_method(run_dir, tmp_path):
     assert all(p.stat().st_size > 1000 for p in written)
 
 
-def test_tables_and_plots_read_a_sweep_run_in_parts_and_refuse_a_cell_twice(run_dir, tmp_path, capsys):
+def test_tables_and_plots_read_a_sweep_run_in_parts_and_refuse_a_cell_twice(report_sweep, tmp_path, capsys):
     import shutil
 
     from resadapt_eval.cli import main
 
     first, second = tmp_path / "part_a", tmp_path / "part_b"
-    for cell in run_dir.glob("*/cell.json"):
+    for cell in report_sweep.glob("*/cell.json"):
         part = second if cell.parent.name.startswith("resadapt") else first
         shutil.copytree(cell.parent, part / cell.parent.name)
     runs = collect_dirs([first, second])
-    assert sorted(r.path.name for r in runs) == sorted(r.path.name for r in collect(run_dir))
+    assert sorted(r.path.name for r in runs) == sorted(r.path.name for r in collect(report_sweep))
     assert sorted(pareto_lines(runs, "resadapt_smoke_videoqa", 8)) == ["fixed_scale", "resadapt", "vanilla"]
     assert main(["plots", str(first), str(second)]) == 0
     assert (first / "plots" / "pareto_resadapt_smoke_videoqa_f8.png").stat().st_size > 1000

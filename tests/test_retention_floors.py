@@ -50,6 +50,7 @@ def stub_backbone(spec: RunSpec, backbone: str, config: dict):
     return SimpleNamespace(
         layout=SimpleNamespace(grid=GRIDS[backbone], config=config),
         compresses_tokens=spec.method.hf,
+        compresses_in_engine=False,
         video_pruning_method=pruning.get("video_pruning_method"),
         video_pruning_rate=pruning.get("video_pruning_rate"),
         device="cpu",

@@ -20,11 +20,13 @@ from resadapt_eval.cli import main
 from resadapt_eval.report.collect import collect
 from resadapt_eval.report.tables import build_tables, to_markdown
 
-from .helpers import REPO
+from .helpers import REPO, REPORT_GRID
 
 CARD = REPO / "model_cards" / "tiny-qwen25vl.yaml"
-GRID = ["--methods", "fixed_scale,random_drop", "--retention", "0.5,0.25", "--limit", "2"]
-CELLS = ["fixed_scale-r0.5-f8", "fixed_scale-r0.25-f8", "random_drop-r0.5-f8", "random_drop-r0.25-f8"]
+# four cells of the session's report sweep (`REPORT_GRID`): the local executor's run of them is shared
+GRID = ["--methods", "fixed_scale,resadapt", "--retention", REPORT_GRID["retention"]]
+GRID += ["--limit", str(REPORT_GRID["limit"])]
+CELLS = ["fixed_scale-r0.5-f8", "fixed_scale-r0.25-f8", "resadapt-r0.5-f8", "resadapt-r0.25-f8"]
 SLURM_LOCAL = ["--executor", "slurm", "--slurm-local", "--max-parallel", "2"]
 TIMINGS = ("peak_memory_mb",)  # besides every `*_s` field: what differs between two runs of one cell
 
@@ -109,12 +111,17 @@ def markdown_tables(run_dir) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def sequential(fixtures_dir, tmp_path_factory):
-    """The 2 methods x 2 R grid run by the local executor, one cell after another."""
+def sequential(report_sweep, tmp_path_factory):
+    """The 2 methods x 2 R grid run by the local executor, one cell after another: the report sweep's run
+    of those cells, copied, in a sweep folder of this grid (the sweep finds them done and runs nothing)."""
+    import shutil
+
     out = tmp_path_factory.mktemp("sequential")
+    for name in CELLS:
+        shutil.copytree(report_sweep / name, out / name)
     proc = run(sweep_cmd(out))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "4 cells, 0 already done, 4 to run" in proc.stdout
+    assert "4 cells, 4 already done, 0 to run" in proc.stdout
     return out
 
 
@@ -294,13 +301,13 @@ def test_plots_and_tables_of_a_partial_sweep_list_the_cells_not_run(sequential, 
 
     partial = tmp_path / "partial"
     shutil.copytree(sequential, partial)
-    shutil.rmtree(partial / "random_drop-r0.25-f8")
+    shutil.rmtree(partial / "resadapt-r0.25-f8")
     assert main(["plots", str(partial), "--out", str(tmp_path / "plots")]) == 0
     printed = capsys.readouterr().out
-    assert "- random_drop-r0.25-f8 (random_drop, R=0.25, 8 frames): not started" in printed
-    assert len(pareto_lines(collect(partial), "resadapt_smoke_videoqa", 8)["random_drop"]) == 1
+    assert "- resadapt-r0.25-f8 (resadapt, R=0.25, 8 frames): not started" in printed
+    assert len(pareto_lines(collect(partial), "resadapt_smoke_videoqa", 8)["resadapt"]) == 1
     assert main(["tables", str(partial), "--out", str(tmp_path / "tables")]) == 0
-    assert "random_drop-r0.25-f8 (random_drop, R=0.25, 8 frames): not started" in capsys.readouterr().out
+    assert "resadapt-r0.25-f8 (resadapt, R=0.25, 8 frames): not started" in capsys.readouterr().out
 
 
 @pytest.mark.slow  # the retry loop is the slurm-local test's above (`make test-slow`); 2 lmms-eval runs, 38 s
@@ -322,7 +329,7 @@ def test_sweep_status_watch_refreshes_until_no_cell_runs(sequential, tmp_path, c
 
     run_dir = tmp_path / "run"
     shutil.copytree(sequential, run_dir)
-    cell = run_dir / "random_drop-r0.25-f8"
+    cell = run_dir / "resadapt-r0.25-f8"
     (cell / "cell.json").unlink()
     sweep = subprocess.Popen(["sleep", "2"])  # stands for the sweep process running the cell
     marker = json.loads((cell / "submitted.json").read_text())
@@ -333,9 +340,9 @@ def test_sweep_status_watch_refreshes_until_no_cell_runs(sequential, tmp_path, c
     printed = capsys.readouterr().out
     frames = printed.split(f"sweep {run_dir}: 4 cells")[1:]
     assert len(frames) >= 2  # refreshed
-    assert "| random_drop-r0.25-f8 | random_drop | 0.25 | 8 |" in frames[0]
-    assert status_rows(frames[0])["random_drop-r0.25-f8"][6] == "running"
-    assert status_rows(frames[-1])["random_drop-r0.25-f8"][6] == "interrupted"
+    assert "| resadapt-r0.25-f8 | resadapt | 0.25 | 8 |" in frames[0]
+    assert status_rows(frames[0])["resadapt-r0.25-f8"][6] == "running"
+    assert status_rows(frames[-1])["resadapt-r0.25-f8"][6] == "interrupted"
     assert "] 3/4 (3 complete, 1 interrupted)" in frames[-1]
 
 

@@ -193,7 +193,9 @@ class EngineOutput:
     columns a decoding-time pruner kept its steps from attending to, summed over layers and steps;
     rank_s: seconds an in-LLM or decoding-time pruner's own ranking and selection took (None without
     one); prefill_s: the LLM's prefill alone, first_token_s less the vision tower and a prefill
-    pruner's rank_s (None where the engine does not expose its tower)."""
+    pruner's rank_s (None where the engine does not expose its tower); merged_sizes and compress_s: a
+    compressor that ran inside the engine (vLLM's): its group sizes and seconds (None otherwise; the HF path
+    reports them when it builds the inputs)."""
 
     text: str
     prompt_ids: list[int]
@@ -207,6 +209,8 @@ class EngineOutput:
     decode_keys_dropped: int = 0
     rank_s: float | None = None
     prefill_s: float | None = None
+    merged_sizes: list[int] | None = None
+    compress_s: float | None = None
 
 
 class Backbone(Protocol):
@@ -221,6 +225,8 @@ class Backbone(Protocol):
     compresses_tokens: it runs AFTER_MERGER and INSIDE_LLM methods (`build_compressed_inputs`, and
     `pruned_inputs` / `decode_pruned_inputs` with the stages of the sample's `TokenBudget`, sized by
     the LLM's `num_text_layers` and `first_prunable_layer`; the HF adapter).
+    compresses_in_engine: it runs a COMPRESSOR method's compressor inside its own model on request
+    (`build_compressed_request`; what it kept comes back in `EngineOutput`: vLLM's engine started for it).
     video_pruning_method / video_pruning_rate: the engine's own video pruning (an IN_ENGINE
     method's `engine_pruning`) and the fraction of video tokens it drops, None when it has none;
     where it has one, `pruned_visual_tokens(plan)` counts the tokens of `plan` it keeps
@@ -230,6 +236,7 @@ class Backbone(Protocol):
     layout: QwenLayout
     device: torch.device
     compresses_tokens: bool
+    compresses_in_engine: bool
     vision_timer: object | None
     serves_images: bool
     video_pruning_method: str | None

@@ -9,7 +9,8 @@ token on all three axes. Inside a run starting at position s, temporal group k o
 pair) gets t = s + its temporal index (`temporal_indices`) and h / w = s + its row / column in its
 own merged grid; the text after the run continues from s + max over groups of max(h, w). With one
 item this is exactly transformers' stock `get_rope_index` (5.x), so equal-size pairs reproduce
-the stock single-video positions.
+the stock single-video positions. A video compressed inside vLLM holds fewer placeholders than its grid
+(`VisionRun.placeholders`); the text after it keeps the uncompressed video's positions, as on the HF path.
 
 Positions are built on the CPU from Python ints (vLLM takes CPU positions; the HF adapter moves them
 to the prompt's device in one transfer).
@@ -34,10 +35,17 @@ class VisionRun:
     offset: int
     grids: list[tuple[int, int, int]]
     second_per_grid_ts: list[float]
+    placeholders: int | None = None
 
     @property
     def num_tokens(self) -> int:
         return sum(t * h * w for t, h, w in self.grids)
+
+    @property
+    def prompt_tokens(self) -> int:
+        """Placeholders the run holds in the prompt: its tokens, or fewer for a compressed video
+        (`placeholders`: they take the first positions, which the engine overwrites with the kept tokens')."""
+        return self.num_tokens if self.placeholders is None else self.placeholders
 
 
 def temporal_indices(group_seconds: list[float], tokens_per_second: float) -> torch.Tensor:
@@ -66,11 +74,13 @@ def qwen25_mrope_positions(length: int, runs: list[VisionRun], tokens_per_second
         groups = [(h, w) for t, h, w in run.grids for _ in range(t)]
         seconds = [s for (t, _, _), s in zip(run.grids, run.second_per_grid_ts) for _ in range(t)]
         times = temporal_indices(seconds, tokens_per_second)
+        video = []
         for (h, w), t in zip(groups, times.tolist()):
             hh, ww = torch.meshgrid(torch.arange(h), torch.arange(w), indexing="ij")  # cpu: positions, as above
-            parts.append(torch.stack([torch.full((h * w,), t), hh.flatten(), ww.flatten()]) + start)  # cpu: as above
+            video.append(torch.stack([torch.full((h * w,), t), hh.flatten(), ww.flatten()]) + start)  # cpu: as above
+        parts.append(torch.cat(video, dim=1)[:, : run.prompt_tokens])
         position = start + max(max(h, w) for h, w in groups)
-        cursor = run.offset + run.num_tokens
+        cursor = run.offset + run.prompt_tokens
     if cursor > length:
         raise ValueError(f"vision runs reach token {cursor}, beyond the prompt's {length}")
     parts.append(torch.arange(length - cursor).expand(3, -1) + position)  # cpu: positions, as above

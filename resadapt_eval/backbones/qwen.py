@@ -45,6 +45,7 @@ class QwenVideoAdapter:
 
     layout_cls: type[QwenLayout]
     compresses_tokens = True
+    compresses_in_engine = False
     serves_images = True
     video_pruning_method = video_pruning_rate = None
 

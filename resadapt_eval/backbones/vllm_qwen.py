@@ -15,9 +15,16 @@ Qwen3-VL needs no override: its per-pair timestamps make vLLM's layout equal the
 from __future__ import annotations
 
 import torch
-from vllm.model_executor.models.qwen2_5_vl import Qwen2_5_VLForConditionalGeneration
+from vllm.model_executor.models.qwen2_5_vl import (
+    Qwen2_5_VLDummyInputsBuilder,
+    Qwen2_5_VLForConditionalGeneration,
+    Qwen2_5_VLMultiModalProcessor,
+    Qwen2_5_VLProcessingInfo,
+)
+from vllm.multimodal import MULTIMODAL_REGISTRY
 
 from .mrope import VisionRun, qwen25_mrope_positions
+from .vllm_compression import CompressingModelMixin, CompressingProcessorMixin, Qwen25Positions
 
 
 def vision_runs(mm_features, spatial_merge_size: int) -> list[VisionRun]:
@@ -32,8 +39,15 @@ def vision_runs(mm_features, spatial_merge_size: int) -> list[VisionRun]:
             if feature.modality == "video" and data.get("second_per_grid_ts")
             else 1.0
         )
-        offset = feature.mm_position.offset
-        if feature.modality == "video" and runs and runs[-1].offset + runs[-1].num_tokens == offset:
+        offset, placeholders = feature.mm_position.offset, feature.mm_position.length
+        if placeholders != t * grid[1] * grid[2]:  # compressed inside the engine (`vllm_compression`): a run alone
+            runs.append(VisionRun(offset, [grid], [seconds], placeholders))
+        elif (
+            feature.modality == "video"
+            and runs
+            and runs[-1].placeholders is None
+            and runs[-1].offset + runs[-1].num_tokens == offset
+        ):
             runs[-1].grids.append(grid)
             runs[-1].second_per_grid_ts.append(seconds)
         else:
@@ -41,8 +55,22 @@ def vision_runs(mm_features, spatial_merge_size: int) -> list[VisionRun]:
     return runs
 
 
-class ResAdaptQwen2_5_VLForConditionalGeneration(Qwen2_5_VLForConditionalGeneration):
-    """vLLM's Qwen2.5-VL with the HF path's M-RoPE layout for per-pair video items."""
+class CompressingQwen2_5_VLProcessor(CompressingProcessorMixin, Qwen2_5_VLMultiModalProcessor):
+    """vLLM's Qwen2.5-VL processor writing a compressed video's kept count (`vllm_compression`)."""
+
+
+@MULTIMODAL_REGISTRY.register_processor(
+    CompressingQwen2_5_VLProcessor, info=Qwen2_5_VLProcessingInfo, dummy_inputs=Qwen2_5_VLDummyInputsBuilder
+)
+class ResAdaptQwen2_5_VLForConditionalGeneration(
+    Qwen25Positions, CompressingModelMixin, Qwen2_5_VLForConditionalGeneration
+):
+    """vLLM's Qwen2.5-VL with the HF path's M-RoPE layout for per-pair video items, and token compressors
+    on request where the engine was started for them (`vllm_compression`)."""
+
+    def __init__(self, *, vllm_config, prefix: str = ""):
+        super().__init__(vllm_config=vllm_config, prefix=prefix)
+        self._init_compression(self.config)
 
     def get_mrope_input_positions(self, input_tokens: list[int], mm_features) -> tuple[torch.Tensor, int]:
         vision = self.config.vision_config
