@@ -597,7 +597,7 @@ class CompressorThenPruner(Compressor):
     (`inside_llm.entering_tokens`)."""
 
     name = "compressor plus in-LLM stage"
-    hf, vllm, images = True, False, False
+    hf, vllm, images = True, False, False  # its stage inside the LLM runs on the HF model
     slots = ("compressor", "prune")
 
     def engine_args(self, spec) -> dict:
@@ -668,7 +668,11 @@ class DecodePruner(Compressor):
     (`decode_pruning.DecodePruner`); the prefill, and so R, is the compressor's."""
 
     name = "decode-time KV pruner"
+    hf, vllm, images = True, False, False  # its decoding stage edits the HF model's KV cache
     slots = ("compressor", "decode_prune")
+
+    def engine_args(self, spec) -> dict:
+        return {}
 
     def token_budget(self, spec, plans, reference, dims) -> TokenBudget:
         budget = super().token_budget(spec, plans, reference, dims)

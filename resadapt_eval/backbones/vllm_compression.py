@@ -38,7 +38,9 @@ from .vision_attention import per_unit, received_attention
 
 COMPRESSION = "resadapt_compression"  # the request's mm_processor_kwargs key and the video item's field
 ENGINE_FLAG = "resadapt_token_compression"  # hf_overrides key: the model class compresses on request
-POSITION_CHANNELS = 6  # (t, h, w) positions, each as (p // 256, p % 256): exact in bfloat16 below 65536
+# per row of a compressed item's embedding: its (t, h, w) position relative to the item's first, each as
+# (p // 256, p % 256), exact in bfloat16 below 65536; then 1 where the row is a <|vision_start|> (Qwen3-VL)
+POSITION_CHANNELS = 7
 
 
 def compressor_names() -> list[str]:
@@ -87,10 +89,10 @@ class CompressingProcessorMixin:
     """For a vLLM multimodal processor of a Qwen family: a request's `COMPRESSION` setting becomes a field of
     its video item and sets the item's placeholder count to the kept count."""
 
-    def _call_hf_processor(self, hf_data, hf_kwargs):
+    def _apply_hf_processor_main(self, mm_items, hf_kwargs):
         setting = CompressionSetting.from_kwargs(hf_kwargs)
         hf_kwargs = {k: v for k, v in hf_kwargs.items() if k != COMPRESSION}
-        outputs = super()._call_hf_processor(hf_data, hf_kwargs)
+        outputs = super()._apply_hf_processor_main(mm_items, hf_kwargs)
         if setting is not None and "video_grid_thw" in outputs:
             videos = len(outputs["video_grid_thw"])
             if videos != 1:
@@ -112,22 +114,23 @@ class CompressingProcessorMixin:
         kwargs = {k: v for k, v in hf_processor_mm_kwargs.items() if k != COMPRESSION}
         updates = super()._get_prompt_updates(mm_items, kwargs, out_mm_kwargs)
         merge = self.info.get_hf_config().vision_config.spatial_merge_size
-        video_token = self.info.get_hf_config().video_token_id
 
-        def video_placeholders(item_idx: int) -> list[int]:
+        def video_placeholders(item_idx: int):
             item = out_mm_kwargs["video"][item_idx]
+            if COMPRESSION not in item:
+                return stock(item_idx)
             t, h, w = item["video_grid_thw"].data.tolist()
-            tokens = t * h * w // merge**2
-            if COMPRESSION in item:
-                tokens = CompressionSetting.from_tensor(item[COMPRESSION].data).keep(tokens, t)
-            return [video_token] * tokens
+            keep = CompressionSetting.from_tensor(item[COMPRESSION].data).keep(t * h * w // merge**2, t)
+            return self.compressed_placeholders(item, keep)
 
-        return [
-            update
-            if update.modality != "video"
-            else PromptReplacement(modality="video", target=update.target, replacement=video_placeholders)
-            for update in updates
-        ]
+        (video,) = [u for u in updates if u.modality == "video"]
+        stock = video.replacement
+        compressed = PromptReplacement(modality="video", target=video.target, replacement=video_placeholders)
+        return [compressed if u is video else u for u in updates]
+
+    def compressed_placeholders(self, item, keep: int):
+        """The prompt's replacement of a video item whose compressor keeps `keep` tokens."""
+        return [self.info.get_hf_config().video_token_id] * keep
 
 
 # ---------------------------------------------------------------------------------------------- model
@@ -162,15 +165,16 @@ def captured_scores(captured: dict, merge_unit: int) -> tuple[torch.Tensor, torc
     return per_unit(received, merge_unit), per_unit(keys, merge_unit)
 
 
-def encode_positions(positions: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """(3, K) long positions -> (K, POSITION_CHANNELS) channels of `dtype`, exact below 65536."""
-    return torch.cat([positions.T // 256, positions.T % 256], dim=1).to(dtype)
+def encode_positions(positions: torch.Tensor, dtype: torch.dtype, starts: torch.Tensor | None = None) -> torch.Tensor:
+    """(3, K) long positions (and (K,) bool `starts`: <|vision_start|> rows) -> (K, POSITION_CHANNELS) of `dtype`."""
+    flags = torch.zeros_like(positions[0]) if starts is None else starts.long()
+    return torch.cat([positions.T // 256, positions.T % 256, flags[:, None]], dim=1).to(dtype)
 
 
-def decode_positions(channels: torch.Tensor) -> torch.Tensor:
-    """`encode_positions`' inverse: (K, POSITION_CHANNELS) -> (3, K) long."""
+def decode_positions(channels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`encode_positions`' inverse: (K, POSITION_CHANNELS) -> (3, K) long positions, (K,) bool starts."""
     values = channels.float().round().long()
-    return (values[:, :3] * 256 + values[:, 3:]).T
+    return (values[:, :3] * 256 + values[:, 3:6]).T, values[:, 6] == 1
 
 
 @dataclass
@@ -198,13 +202,23 @@ class CompressingModelMixin:
         if self.compresses_video:
             self.is_multimodal_pruning_enabled = True  # vLLM's own flag: no encoder CUDA graphs, per-item encoding
 
-    def item_positions(self, grid: tuple[int, int, int], second_per_grid_t: float) -> torch.Tensor:
-        """(3, N) M-RoPE positions of a video item's merged tokens relative to the video's first position."""
-        raise NotImplementedError
-
+    # the family's layout (`Qwen25Layout`, `Qwen3Layout`)
     def unit_order(self, grids: torch.Tensor) -> torch.Tensor | None:
         """For each merged token of the encoder call (LLM order), its unit's index in the last block's order."""
         return None
+
+    def split_features(self, embeds: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """An item's encoder output -> the merged tokens' features (N, D) and any more per-token features."""
+        return embeds, []
+
+    def item_rows(self, video, index: int, grid, kept, features, extra) -> torch.Tensor:
+        """The rows item `index` of `video` puts into the prompt (its kept tokens' `features` and `extra`,
+        `kept` their indices; None: every token) with their position channels."""
+        raise NotImplementedError
+
+    def place(self, ids: torch.Tensor, embeddings, positions: torch.Tensor) -> None:
+        """Write each compressed item's positions (from its rows' channels) into the prompt's `positions`."""
+        raise NotImplementedError
 
     def embed_multimodal(self, **kwargs):
         if not self.compresses_video:
@@ -227,14 +241,12 @@ class CompressingModelMixin:
                 received, keys = received[order], keys[order]
             per_item = [e.shape[0] for e in embeds]
             received, keys = received.split(per_item), keys.split(per_item)
-        seconds = video.get("second_per_grid_ts")
         out = []
-        for i, (features, grid, setting) in enumerate(zip(embeds, grids.tolist(), chosen)):
+        for i, (embedded, grid, setting) in enumerate(zip(embeds, grids.tolist(), chosen)):
             t, h, w = grid[0], grid[1] // merge, grid[2] // merge
-            positions = self.item_positions((t, h, w), float(seconds[i]) if seconds is not None else 1.0)
-            positions = positions.to(features.device)
-            if setting is None:  # a request without a compressor on this engine: every token, its own position
-                out.append(torch.cat([features, encode_positions(positions, features.dtype)], dim=1))
+            features, extra = self.split_features(embedded)
+            if setting is None:  # a request without a compressor on this engine: every token
+                out.append(self.item_rows(video, i, (t, h, w), None, features, extra))
                 continue
             method = methods[setting.method]
             tokens = VisualTokens(
@@ -246,14 +258,14 @@ class CompressingModelMixin:
             )
             call = CountedCall(method.compress, Stopwatch(features.device))
             compression = call(tokens, setting.keep(t * h * w, t), setting.seed)
-            kept, sizes, (merged,) = merge_groups(compression, features)
+            kept, sizes, (merged, *merged_extra) = merge_groups(compression, features, *extra)
             self.compression_log[setting.record] = LogEntry(kept, sizes, call)
-            out.append(torch.cat([merged, encode_positions(positions[:, kept], merged.dtype)], dim=1))
+            out.append(self.item_rows(video, i, (t, h, w), kept, merged, merged_extra))
         return tuple(out)
 
     def recompute_mrope_positions(self, input_ids, multimodal_embeddings, mrope_positions, num_computed_tokens):
-        """Each video run of placeholders takes its item's positions: the first video position (one past the
-        `<|vision_start|>` before it) plus the item's relative positions; every other token keeps its own."""
+        """The prompt's positions with each compressed item's rows at the positions its channels carry
+        (`place`); the features without those channels."""
         if not self.compresses_video:
             return super().recompute_mrope_positions(
                 input_ids, multimodal_embeddings, mrope_positions, num_computed_tokens
@@ -263,15 +275,7 @@ class CompressingModelMixin:
         if multimodal_embeddings:
             if num_computed_tokens != 0:
                 raise RuntimeError("a compressing engine prefills a prompt in one step (chunked prefill is off)")
-            ids = torch.as_tensor(input_ids, device="cpu")  # cpu: the prompt's runs are located on the host
-            runs = video_runs(ids == self.config.video_token_id)
-            if len(runs) != len(multimodal_embeddings):
-                raise RuntimeError(f"{len(runs)} video runs in the prompt, {len(multimodal_embeddings)} video items")
-            for (start, length), embedding in zip(runs, multimodal_embeddings):
-                relative = decode_positions(embedding[:, -POSITION_CHANNELS:]).to(positions.device)
-                if relative.shape[1] != length:
-                    raise RuntimeError(f"a video run of {length} placeholders got {relative.shape[1]} tokens")
-                positions[:, start : start + length] = positions[0, start - 1] + 1 + relative
+            self.place(torch.as_tensor(input_ids, device="cpu"), multimodal_embeddings, positions)  # cpu: ids
         return features, positions, int(positions.max()) + 1 - positions.shape[1]
 
     def fetch_log(self, records: list[int]) -> dict[int, dict]:
@@ -303,14 +307,28 @@ def get_method(name: str):
     return registry(name)
 
 
-class Qwen25Positions:
-    """Qwen2.5-VL's item positions (`mrope.qwen25_mrope_positions`) and the tower's window order."""
+class Qwen25Layout:
+    """Qwen2.5-VL: a video item is one run of placeholders; positions by `mrope.qwen25_mrope_positions`
+    (the HF adapter's rule); the tower's blocks run in window order."""
 
-    def item_positions(self, grid, second_per_grid_t):
+    def item_rows(self, video, index, grid, kept, features, extra):
         t, h, w = grid
-        run = VisionRun(offset=0, grids=[(1, h, w)] * t, second_per_grid_ts=[second_per_grid_t] * t)
-        tokens_per_second = self.config.vision_config.tokens_per_second
-        return qwen25_mrope_positions(run.num_tokens, [run], tokens_per_second)
+        seconds = video.get("second_per_grid_ts")
+        run = VisionRun(0, [(1, h, w)] * t, [float(seconds[index]) if seconds is not None else 1.0] * t)
+        positions = qwen25_mrope_positions(run.num_tokens, [run], self.config.vision_config.tokens_per_second)
+        positions = positions.to(features.device) if kept is None else positions.to(features.device)[:, kept]
+        return torch.cat([features, encode_positions(positions, features.dtype)], dim=1)
+
+    def place(self, ids, embeddings, positions):
+        """Each run of video placeholders: one past the `<|vision_start|>` before it, plus its item's positions."""
+        runs = video_runs(ids == self.config.video_token_id)
+        if len(runs) != len(embeddings):
+            raise RuntimeError(f"{len(runs)} video runs in the prompt, {len(embeddings)} video items")
+        for (start, length), embedding in zip(runs, embeddings):
+            relative, _ = decode_positions(embedding[:, -POSITION_CHANNELS:])
+            if relative.shape[1] != length:
+                raise RuntimeError(f"a video run of {length} placeholders got {relative.shape[1]} tokens")
+            positions[:, start : start + length] = positions[0, start - 1] + 1 + relative.to(positions.device)
 
     def unit_order(self, grids):
         from transformers.vision_utils import get_vision_window_index
@@ -323,6 +341,97 @@ class Qwen25Positions:
             patch_size=vision.patch_size,
         )
         return torch.argsort(window_index)
+
+
+class Qwen3Layout:
+    """Qwen3-VL: a video item is, per frame pair, its timestamp's text, `<|vision_start|>`, its tokens and
+    `<|vision_end|>`. As for vLLM's own video pruning, the prompt holds the kept count in the first pair's
+    slot and the model returns every row of the item (text and video, `item_rows`), the kept tokens in their
+    own pairs; the positions are the uncompressed item's (vLLM's Qwen3-VL rule, the HF path's) at the rows
+    kept; the text after the item keeps the uncompressed prompt's positions (`place`). The merged tokens
+    carry their DeepStack features, merged with the same groups."""
+
+    def split_features(self, embeds):
+        main, deepstack = embeds.split([self.visual_dim, self.multiscale_dim], dim=-1)
+        return main, [deepstack]
+
+    def item_rows(self, video, index, grid, kept, features, extra):
+        from vllm.model_executor.models.qwen3_vl import Qwen3VLMultiModalProcessor
+        from vllm.model_executor.models.utils import _merge_multimodal_embeddings
+
+        t, h, w = grid
+        device, config = features.device, self.config
+        kept = torch.arange(t * h * w, device=device) if kept is None else kept
+        counts = torch.bincount(kept // (h * w), minlength=t).tolist()  # kept tokens per frame pair
+        timestamps = video.timestamps[index]
+
+        def repl(per_pair):
+            return torch.tensor(  # cpu: token ids of the item's rows
+                Qwen3VLMultiModalProcessor.get_video_repl(
+                    tokens_per_frame=per_pair,
+                    timestamps=timestamps,
+                    tokenizer=self._tokenizer,
+                    vision_start_token_id=config.vision_start_token_id,
+                    vision_end_token_id=config.vision_end_token_id,
+                    video_token_id=config.video_token_id,
+                ).full
+            )
+
+        ids, full_ids = repl(counts), repl([h * w] * t)
+        full = self.uncompressed_positions(full_ids.tolist(), grid)  # (3, rows of the whole item)
+        is_video, full_is_video = ids == config.video_token_id, full_ids == config.video_token_id
+        positions = torch.empty(3, len(ids), dtype=torch.long)  # cpu: as `full`
+        positions[:, ~is_video] = full[:, ~full_is_video]
+        positions[:, is_video] = full[:, full_is_video][:, kept.cpu()]
+        ids, is_video = ids.to(device), is_video.to(device)
+        text = self.get_language_model().embed_input_ids(ids)
+        deepstack, (main,) = self._compute_deepstack_embeds(
+            inputs_embeds=text, multimodal_embeddings=[torch.cat([features, *extra], dim=-1)], is_multimodal=is_video
+        )
+        rows = _merge_multimodal_embeddings(inputs_embeds=text, multimodal_embeddings=[main], is_multimodal=is_video)
+        deepstack = deepstack.permute(1, 0, 2).reshape(len(ids), -1)
+        starts = ids == config.vision_start_token_id
+        return torch.cat([rows, deepstack, encode_positions(positions.to(device), rows.dtype, starts)], dim=1)
+
+    def uncompressed_positions(self, ids: list[int], grid) -> torch.Tensor:
+        """(3, len(ids)) positions of a whole video item's rows from its first, by vLLM's Qwen3-VL rule."""
+        from vllm.multimodal.inputs import (
+            MultiModalFeatureSpec,
+            MultiModalFieldConfig,
+            MultiModalFieldElem,
+            MultiModalKwargsItem,
+            PlaceholderRange,
+        )
+
+        t, h, w = grid
+        merge = self.visual.spatial_merge_size
+        feature = MultiModalFeatureSpec(
+            data=MultiModalKwargsItem(
+                {
+                    "video_grid_thw": MultiModalFieldElem(
+                        data=torch.tensor([t, h * merge, w * merge]),  # cpu: a field, as vLLM's processor makes it
+                        field=MultiModalFieldConfig.batched("video").field,
+                    )
+                }
+            ),
+            modality="video",
+            identifier="compressed",
+            mm_position=PlaceholderRange(offset=0, length=len(ids)),
+        )
+        return self.get_mrope_input_positions(input_tokens=ids, mm_features=[feature])[0]
+
+    def place(self, ids, embeddings, positions):
+        """The item's rows start where its prompt slot does (the first video placeholder less the rows before
+        the first `<|vision_start|>` and itself); the text after continues from the item's last position."""
+        (embedding,) = embeddings  # one video per compressed request
+        relative, starts = decode_positions(embedding[:, -POSITION_CHANNELS:])
+        first_start = int(torch.nonzero(starts)[0])
+        start = int(torch.nonzero(ids == self.config.video_token_id)[0]) - first_start - 1
+        end = start + relative.shape[1]
+        base = positions[0, start - 1] + 1
+        positions[:, start:end] = base + relative.to(positions.device)
+        if end < positions.shape[1]:
+            positions[:, end:] += base + int(relative[0, -1]) + 1 - positions[0, end]
 
 
 class PruningWorkerMixin:

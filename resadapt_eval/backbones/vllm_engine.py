@@ -17,6 +17,7 @@ vLLM starts worker processes with spawn: a script that builds a `VLLMBackbone` m
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 import time
@@ -28,7 +29,7 @@ from ..budget.plan import ResizePlan
 from ..budget.tokens import engine_kept_tokens
 from ..video import DecodedVideo
 from .layout import LAYOUTS, EngineOutput
-from .vllm_plugin import QWEN25VL_ARCHITECTURE
+from .vllm_plugin import ARCHITECTURES, QWEN25VL_ARCHITECTURE
 
 
 def video_item(frames: torch.Tensor, meta) -> tuple:
@@ -145,11 +146,6 @@ class VLLMBackbone:
 
         from .vllm_compression import ENGINE_FLAG
 
-        if family != "qwen25vl":
-            raise ValueError(
-                "token compressors run inside vLLM on Qwen2.5-VL only so far (Qwen3-VL's interleaved frame "
-                "timestamps need their own kept-token layout); run them on the HF class resadapt_qwen3vl"
-            )
         if self.prunes_video:
             raise ValueError("an engine either prunes with vLLM's own video pruning or compresses on request")
         if tensor_parallel_size != 1:
@@ -160,7 +156,7 @@ class VLLMBackbone:
         cpu = current_platform.is_cpu()
         worker = "vllm_cpu_worker.PruningCPUWorker" if cpu else "vllm_gpu_worker.CompressingGPUWorker"
         return dict(
-            hf_overrides={"architectures": [QWEN25VL_ARCHITECTURE], ENGINE_FLAG: True},
+            hf_overrides={"architectures": [ARCHITECTURES[family]], ENGINE_FLAG: True},
             worker_cls=f"{__package__}.{worker}",
             limit_mm_per_prompt={"video": 1, "image": 0},
             enable_chunked_prefill=False,  # a video's kept tokens and positions arrive in one prefill step
@@ -301,8 +297,9 @@ class VLLMBackbone:
                 if record not in log:
                     raise RuntimeError(f"the engine's model logged no compression for request record {record}")
                 entry = log[record]
-                answers[-1].merged_sizes, answers[-1].compress_s = entry["sizes"], entry["seconds"]
-                answers[-1].method_flops = entry["flops"]
+                answers[-1] = dataclasses.replace(
+                    answers[-1], merged_sizes=entry["sizes"], compress_s=entry["seconds"], method_flops=entry["flops"]
+                )
         return answers
 
 

@@ -21,10 +21,16 @@ from vllm.model_executor.models.qwen2_5_vl import (
     Qwen2_5_VLMultiModalProcessor,
     Qwen2_5_VLProcessingInfo,
 )
+from vllm.model_executor.models.qwen3_vl import (
+    Qwen3VLDummyInputsBuilder,
+    Qwen3VLForConditionalGeneration,
+    Qwen3VLMultiModalProcessor,
+    Qwen3VLProcessingInfo,
+)
 from vllm.multimodal import MULTIMODAL_REGISTRY
 
 from .mrope import VisionRun, qwen25_mrope_positions
-from .vllm_compression import CompressingModelMixin, CompressingProcessorMixin, Qwen25Positions
+from .vllm_compression import CompressingModelMixin, CompressingProcessorMixin, Qwen3Layout, Qwen25Layout
 
 
 def vision_runs(mm_features, spatial_merge_size: int) -> list[VisionRun]:
@@ -63,7 +69,7 @@ class CompressingQwen2_5_VLProcessor(CompressingProcessorMixin, Qwen2_5_VLMultiM
     CompressingQwen2_5_VLProcessor, info=Qwen2_5_VLProcessingInfo, dummy_inputs=Qwen2_5_VLDummyInputsBuilder
 )
 class ResAdaptQwen2_5_VLForConditionalGeneration(
-    Qwen25Positions, CompressingModelMixin, Qwen2_5_VLForConditionalGeneration
+    Qwen25Layout, CompressingModelMixin, Qwen2_5_VLForConditionalGeneration
 ):
     """vLLM's Qwen2.5-VL with the HF path's M-RoPE layout for per-pair video items, and token compressors
     on request where the engine was started for them (`vllm_compression`)."""
@@ -77,3 +83,32 @@ class ResAdaptQwen2_5_VLForConditionalGeneration(
         runs = vision_runs(mm_features, vision.spatial_merge_size)
         positions = qwen25_mrope_positions(len(input_tokens), runs, getattr(vision, "tokens_per_second", 1.0))
         return positions, int(positions.max()) + 1 - len(input_tokens)
+
+
+class CompressingQwen3VLProcessor(CompressingProcessorMixin, Qwen3VLMultiModalProcessor):
+    """vLLM's Qwen3-VL processor writing a compressed video's kept count in its first frame pair's slot,
+    every row of the item an embedding (as vLLM's own video pruning writes it; `vllm_compression.Qwen3Layout`)."""
+
+    def compressed_placeholders(self, item, keep: int):
+        config = self.info.get_hf_config()
+        t = int(item["video_grid_thw"].data[0])
+        return Qwen3VLMultiModalProcessor.get_video_repl(
+            tokens_per_frame=[keep] + [0] * (t - 1),
+            timestamps=item["timestamps"].data,
+            tokenizer=self.info.get_tokenizer(),
+            vision_start_token_id=config.vision_start_token_id,
+            vision_end_token_id=config.vision_end_token_id,
+            video_token_id=config.video_token_id,
+        )
+
+
+@MULTIMODAL_REGISTRY.register_processor(
+    CompressingQwen3VLProcessor, info=Qwen3VLProcessingInfo, dummy_inputs=Qwen3VLDummyInputsBuilder
+)
+class ResAdaptQwen3VLForConditionalGeneration(Qwen3Layout, CompressingModelMixin, Qwen3VLForConditionalGeneration):
+    """vLLM's Qwen3-VL with token compressors on request where the engine was started for them
+    (`vllm_compression`); without them, vLLM's own class (its positions already equal the HF path's)."""
+
+    def __init__(self, *, vllm_config, prefix: str = "model"):
+        super().__init__(vllm_config=vllm_config, prefix=prefix)
+        self._init_compression(self.config)

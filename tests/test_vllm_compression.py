@@ -1,0 +1,161 @@
+"""Token compressors inside vLLM against the HF path (runs in the vLLM environment: `make test-vllm`)."""
+
+import pytest
+import torch
+
+pytest.importorskip("vllm")
+
+from resadapt_eval.backbones.vllm_compression import compressor_names  # noqa: E402
+from resadapt_eval.backbones.vllm_engine import VLLMBackbone  # noqa: E402
+from resadapt_eval.baselines import kept_count  # noqa: E402
+from resadapt_eval.budget.plan import plan_from_scales  # noqa: E402
+from resadapt_eval.budget.policies import BudgetSpec  # noqa: E402
+from resadapt_eval.methods import METHODS, get_method  # noqa: E402
+from resadapt_eval.pipeline import Request, VideoPipeline, VideoPipelineConfig  # noqa: E402
+
+from .helpers import REPO, chat_prompt, lmms_eval_command, sidecar_records, synthetic_video  # noqa: E402
+
+KV_CACHE_BYTES = 64 << 20  # vLLM on CPU otherwise reserves most of the machine's memory
+FAMILIES = ["qwen25vl", "qwen3vl"]
+BASE_HW = {"qwen25vl": (112, 140), "qwen3vl": (128, 160)}  # pixels, on each backbone's token grid
+
+
+@pytest.fixture(scope="module")
+def compressing(fixtures_dir):
+    """One engine per backbone started for compression on request: every compressor runs on it."""
+    return {
+        family: VLLMBackbone(
+            family,
+            str(fixtures_dir / family),
+            max_num_frames=8,
+            dtype="float32",
+            kv_cache_memory_bytes=KV_CACHE_BYTES,
+            token_compression=True,
+        )
+        for family in FAMILIES
+    }
+
+
+def test_the_vllm_compressors_are_every_compressor_but_the_question_readers():
+    compressors = {name for name, m in METHODS.items() if m.kind.name == "vision-side compressor"}
+    readers = {name for name in compressors if get_method(name).needs_query}
+    assert readers == {"cdpruner"}
+    assert set(compressor_names()) == compressors - readers
+    assert {"random_drop", "tome", "visionzip", "flashvid", "divprune", "vidcom2", "fastvid"} <= set(compressor_names())
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("name", compressor_names())
+def test_each_compressor_keeps_the_hf_paths_tokens_positions_and_first_token(compressing, adapters, family, name):
+    """Same video and question, float32: vLLM's model keeps the tokens the HF path keeps (indices and group
+    sizes), its prompt holds floor(R N) placeholders, and the first token's top-20 log-probabilities agree."""
+    engine, adapter, method = compressing[family], adapters[family], get_method(name)
+    video = synthetic_video(8)
+    plan = plan_from_scales([1.0] * 8, BASE_HW[family], adapter.grid)
+    prompt, retention = chat_prompt(adapter), 0.25
+    compressions = []
+
+    def recording(tokens, keep, seed):
+        compressions.append(method.compress(tokens, keep, seed))
+        return compressions[-1]
+
+    with torch.no_grad():
+        inputs, sizes = adapter.build_compressed_inputs(
+            prompt, video, plan, recording, retention, seed=0, needs_attention=method.needs_attention
+        )
+        adapter.model.model.rope_deltas = None
+        hf_logprobs = torch.log_softmax(adapter.model(**inputs).logits[0, -1].float(), dim=-1)
+
+    request = engine.build_compressed_request(prompt, video, plan, name, retention, seed=0)
+    (output,) = engine.llm.generate([request], engine.sampling_params(max_new_tokens=1, logprobs=20), use_tqdm=False)
+    record = request["mm_processor_kwargs"]["resadapt_compression"]["record"]
+    logged = engine.compression_log([record])[record]
+
+    keep = kept_count(retention, plan.visual_tokens, len(plan.grids))
+    assert output.prompt_token_ids.count(adapter.processor.video_token_id) == keep == len(logged["kept"])
+    assert logged["kept"] == compressions[0].kept.tolist()
+    assert logged["sizes"] == sizes.tolist() and sum(logged["sizes"]) <= plan.visual_tokens
+    assert logged["seconds"] > 0
+    if family == "qwen25vl":  # one run of video tokens: the HF path's prompt exactly
+        assert list(output.prompt_token_ids) == inputs["input_ids"][0].tolist()
+    top = output.outputs[0].logprobs[0]
+    assert len(top) >= 20
+    for token, logprob in top.items():
+        assert logprob.logprob == pytest.approx(hf_logprobs[token].item(), abs=1e-4)
+
+
+def jobs(engine, videos, new=2):
+    question = "What colour is the square?"
+    prompt = engine.processor.apply_chat_template(
+        [{"role": "user", "content": [{"type": "video"}, {"type": "text", "text": question}]}],
+        tokenize=False,
+        add_generation_prompt=True,
+    )
+    return [
+        Request(prompt, video=str(v), query=question, gen_kwargs=dict(max_new_tokens=new), doc_id=i, task="t")
+        for i, v in enumerate(videos)
+    ]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_every_compressor_answers_a_chunk_with_the_hf_paths_record(compressing, adapters, fixtures_dir, family):
+    """The pipeline's batched path at R=0.1 (one vLLM call per chunk, several requests in flight): each record
+    holds what the HF path's record of the same sample holds (visual tokens within 0.01 below R, group sizes,
+    the compressor's counted FLOPs), and the compressor's seconds from the engine's log; a vanilla request on
+    the same engine keeps every token."""
+    engine, retention = compressing[family], 0.1
+    videos = sorted((fixtures_dir / "smoke_videoqa" / "videos").glob("*.mp4"))[:2]
+    for name in compressor_names():
+        config = VideoPipelineConfig(method=name, max_num_frames=8, budget=BudgetSpec(retention=retention))
+        served = VideoPipeline(engine, config).run_batch(jobs(engine, videos))
+        reference = VideoPipeline(adapters[family], config).run_batch(jobs(engine, videos))
+        for (_, record), (_, hf) in zip(served, reference):
+            assert record.error is None and hf.error is None, (name, record.error)
+            assert retention - 0.01 <= record.achieved_retention <= retention, (name, record.achieved_retention)
+            assert record.visual_tokens == hf.visual_tokens and record.merged_sizes == hf.merged_sizes, name
+            assert record.method_flops == hf.method_flops, name
+            assert record.compress_s > 0 and record.compress_s_reason is None and record.first_token_s > 0
+    vanilla = VideoPipelineConfig(method="vanilla", max_num_frames=8)
+    for _, record in VideoPipeline(engine, vanilla).run_batch(jobs(engine, videos[:1])):
+        assert record.error is None and record.achieved_retention == 1.0
+
+
+def test_what_vllm_cannot_run_stops_at_start_naming_it(fixtures_dir):
+    from resadapt_eval.lmms.vllm_models import ResAdaptQwen3VLVLLM, ResAdaptQwen25VLVLLM
+
+    with pytest.raises(ValueError, match=r"method=cdpruner reads the question's embeddings.*--model cdpruner_qwen25vl"):
+        ResAdaptQwen25VLVLLM.check_engine(get_method("cdpruner"))
+    with pytest.raises(ValueError, match=r"method=fastv acts inside llm.*--model fastv_qwen3vl"):
+        ResAdaptQwen3VLVLLM.check_engine(get_method("fastv"))
+    with pytest.raises(ValueError, match=r"method=prunevid acts .*--model prunevid_qwen25vl"):
+        ResAdaptQwen25VLVLLM.check_engine(get_method("prunevid"))
+    ResAdaptQwen25VLVLLM.check_engine(get_method("visionzip"))  # runs
+    with pytest.raises(ValueError, match="tensor_parallel_size=1"):
+        VLLMBackbone("qwen25vl", str(fixtures_dir / "qwen25vl"), 8, tensor_parallel_size=2, token_compression=True)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("retention", [0.25, 0.1])
+def test_lmms_eval_cli_runs_a_compressor_on_the_vllm_class_in_chunks(fixtures_dir, tmp_path, family, retention):
+    import subprocess
+
+    model_args = dict(
+        pretrained=fixtures_dir / family,
+        method="visionzip",
+        retention=retention,
+        max_num_frames=8,
+        device="cpu",
+        dtype="float32",
+        kv_cache_memory_bytes=KV_CACHE_BYTES,
+        chunk_size=3,
+    )
+    tasks = str(REPO / "tasks")
+    cmd = lmms_eval_command(f"resadapt_{family}_vllm", model_args, "resadapt_smoke_videoqa", tasks, tmp_path)
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    records = sidecar_records(tmp_path)
+    assert len(records) == len((fixtures_dir / "smoke_videoqa" / "test.jsonl").read_text().splitlines())
+    for r in records:
+        assert r["error"] is None and r["method"] == "visionzip"
+        assert retention - 0.01 <= r["achieved_retention"] <= retention
+        assert len(r["merged_sizes"]) == r["visual_tokens"] and r["compress_s"] > 0
