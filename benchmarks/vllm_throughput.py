@@ -11,9 +11,9 @@ videos, repeated) go to `VideoPipeline.run_batch` together: vLLM has all c in fl
 run from the video path to the answer (decode, plan, the engine); time to first token is vLLM's own,
 from a request's arrival in the engine. Each method's requests per second over vanilla's (on the per-pair
 engine, as a lab serves it) at the same concurrency is printed beside it. A first wave per method and
-concurrency warms the engine and is not counted. --backbone qwen25vl-7b / qwen3vl-8b writes a checkpoint at the published
-widths with random weights (`fixtures.ensure_real_width`, its depth from --text-layers / --vision-blocks)
-and serves it, for a GPU.
+concurrency warms the engine and is not counted. --backbone qwen25vl-7b / qwen3vl-8b writes a checkpoint
+at the published widths with random weights (`fixtures.ensure_real_width`, its depth from --text-layers /
+--vision-blocks) and serves it, for a GPU.
 """
 
 from __future__ import annotations
