@@ -7,7 +7,7 @@ retention R, seed, and a record number the engine's log answers to. vLLM passes 
 tower runs, as vLLM's EVS processor writes its own count. The model class (`CompressingModelMixin`) then,
 on an engine started for compression (`ENGINE_FLAG` in `hf_overrides`):
 - runs vLLM's vision tower, capturing the last block's attention inputs where the compressor reads the
-  received attention and keys (`LastBlockCapture`, the same quantities as the HF path's
+  received attention and keys (`last_block_capture`, the same quantities as the HF path's
   `vision_attention.received_attention_and_keys`);
 - compresses the merged tokens with the registry's compressor (one `VisualTokens` of the item's frame
   pairs, the HF path's per-pair sizes and grids, its seed), merges groups with `merge_groups`, and logs
@@ -15,7 +15,8 @@ on an engine started for compression (`ENGINE_FLAG` in `hf_overrides`):
 - returns the kept tokens' features with their M-RoPE positions (relative to the video's start, the
   uncompressed video's positions at the kept indices, as the HF path keeps them) in extra channels, which
   `recompute_mrope_positions` writes into the prompt's positions (vLLM's multimodal pruning path).
-Text after the video keeps the uncompressed prompt's positions (`mrope.VisionRun.placeholders`).
+Text after the video keeps the uncompressed prompt's positions. The family's layout (`Qwen25Layout`,
+`Qwen3Layout`) lays the item's rows out and places them.
 
 The engine runs with chunked prefill and prefix caching off: a video's kept tokens and their positions
 arrive in one prefill step. Attention-reading compressors need tensor_parallel_size=1 (the tower's heads

@@ -1,4 +1,4 @@
-"""vLLM model class for Qwen2.5-VL with our per-pair M-RoPE layout.
+"""Our vLLM model classes: Qwen2.5-VL with our per-pair M-RoPE layout; both families with token compressors.
 
 vLLM positions every video item as its own block, each starting after the previous block's
 largest index, so per-pair items would not get the HF path's (stock single-video) positions.
@@ -8,8 +8,10 @@ with the rule the HF adapter uses (`mrope.qwen25_mrope_positions`). It is regist
 `ModelRegistry` by `vllm_plugin.register`, which vLLM calls in every process through the
 `vllm.general_plugins` entry point; `VLLMBackbone` selects it with `hf_overrides`.
 
-Qwen3-VL needs no override: its per-pair timestamps make vLLM's layout equal the HF path's
-(checked by tests/test_vllm.py).
+Qwen3-VL needs no position override: its per-pair timestamps make vLLM's layout equal the HF path's
+(checked by tests/test_vllm.py). Both classes (`ResAdaptQwen3VLForConditionalGeneration` only on an engine
+started for compression) run token compressors on request, with their processors
+(`vllm_compression.py`).
 """
 
 from __future__ import annotations
