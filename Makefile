@@ -71,7 +71,7 @@ $(VLLM_STAMP): pyproject.toml envs/vllm.txt
 	touch $(VLLM_STAMP)
 
 test-vllm: $(VLLM_STAMP)
-	$(VLLM_PY) -m pytest -q tests/test_vllm.py tests/test_vllm_compression.py tests/test_vllm_train.py
+	$(VLLM_PY) -m pytest -q -m "not slow" tests/test_vllm.py tests/test_vllm_compression.py tests/test_vllm_train.py
 
 clean:
 	rm -rf fixtures demo_out

@@ -133,8 +133,15 @@ def test_what_vllm_cannot_run_stops_at_start_naming_it(fixtures_dir):
         VLLMBackbone("qwen25vl", str(fixtures_dir / "qwen25vl"), 8, tensor_parallel_size=2, token_compression=True)
 
 
-@pytest.mark.parametrize("family", FAMILIES)
-@pytest.mark.parametrize("retention", [0.25, 0.1])
+@pytest.mark.parametrize(
+    "family,retention",
+    [
+        ("qwen25vl", 0.25),
+        ("qwen3vl", 0.1),
+        pytest.param("qwen25vl", 0.1, marks=pytest.mark.slow),  # the logic: the batched test above, in process
+        pytest.param("qwen3vl", 0.25, marks=pytest.mark.slow),
+    ],
+)
 def test_lmms_eval_cli_runs_a_compressor_on_the_vllm_class_in_chunks(fixtures_dir, tmp_path, family, retention):
     import subprocess
 
