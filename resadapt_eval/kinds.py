@@ -550,11 +550,11 @@ class Compressor(InModel):
     def build(self, spec, backbone, request, video, plan, pairs, budget) -> ModelInputs:
         method, timer = spec.method, backbone.vision_timer
         if backbone.compresses_in_engine:  # vLLM: its model compresses and reports
-            return ModelInputs(
-                backbone.build_compressed_request(
-                    request.prompt, video, plan, method.name, budget.share, spec.compression_seed, pairs
-                )
+            query = request.query if method.needs_query else None
+            engine_request, query_tokens = backbone.build_compressed_request(
+                request.prompt, video, plan, method.name, budget.share, spec.compression_seed, pairs, query
             )
+            return ModelInputs(engine_request, query_tokens=query_tokens)
         compressor = CountedCall(spec.method.compress, timer.stopwatch)  # its work counted and timed
         query = backbone.question_embeddings(request.query) if method.needs_query else None
         reset_peak_memory(backbone.device)  # the tower runs here, before the engine call

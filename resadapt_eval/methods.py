@@ -171,9 +171,8 @@ class Method:
 
     @property
     def vllm(self) -> bool:
-        """The vLLM engine runs it (of the compressors, those that do not read the question: the engine's
-        model sees the video item, not the prompt's text)."""
-        return self.kind.vllm and not self.needs_query
+        """The vLLM engine runs it."""
+        return self.kind.vllm
 
     @property
     def vllm_compressor(self) -> bool:

@@ -54,31 +54,38 @@ def compressor_names() -> list[str]:
 @dataclass(frozen=True)
 class CompressionSetting:
     """One request's compressor: `method` (a `compressor_names` name) at `retention`, with `seed`;
-    `record`: the number its log entry is filed under."""
+    `record`: the number its log entry is filed under; `query`: the question's token ids, for a compressor
+    that reads the question's embeddings (empty otherwise)."""
 
     method: str
     retention: float
     seed: int
     record: int
+    query: tuple[int, ...] = ()
 
     def request_kwargs(self) -> dict:
         """The prompt dict's `mm_processor_kwargs` asking for it."""
-        return {COMPRESSION: dict(method=self.method, retention=self.retention, seed=self.seed, record=self.record)}
+        setting = dict(method=self.method, retention=self.retention, seed=self.seed, record=self.record)
+        return {COMPRESSION: dict(setting, query=list(self.query))}
 
     @classmethod
     def from_kwargs(cls, kwargs: dict) -> CompressionSetting | None:
         value = kwargs.get(COMPRESSION)
-        return None if value is None else cls(**value)
+        return None if value is None else cls(**dict(value, query=tuple(value.get("query", ()))))
 
     def as_tensor(self) -> torch.Tensor:
-        """(4,) float64 [method index, retention, seed, record]: a multimodal field must be a tensor."""
+        """(5 + M,) float64 [method index, retention, seed, record, M, M query token ids]: a multimodal field
+        must be a tensor (token ids and records are exact in float64)."""
         code = compressor_names().index(self.method)
-        return torch.tensor([code, self.retention, self.seed, self.record], dtype=torch.float64)  # cpu: a field
+        head = [code, self.retention, self.seed, self.record, len(self.query)]
+        return torch.tensor(head + list(self.query), dtype=torch.float64)  # cpu: a field
 
     @classmethod
     def from_tensor(cls, value: torch.Tensor) -> CompressionSetting:
-        code, retention, seed, record = value.tolist()
-        return cls(compressor_names()[int(code)], retention, int(seed), int(record))
+        code, retention, seed, record, count, *query = value.tolist()
+        if len(query) != int(count):
+            raise ValueError(f"a compression setting with {int(count)} query tokens carries {len(query)}")
+        return cls(compressor_names()[int(code)], retention, int(seed), int(record), tuple(int(i) for i in query))
 
     def keep(self, num_tokens: int, num_pairs: int) -> int:
         """The tokens it keeps of `num_tokens` in `num_pairs` frame pairs (the HF path's `kept_count`)."""
@@ -221,6 +228,10 @@ class CompressingModelMixin:
         """Write each compressed item's positions (from its rows' channels) into the prompt's `positions`."""
         raise NotImplementedError
 
+    def question_embeddings(self, ids: tuple[int, ...], device: torch.device) -> torch.Tensor:
+        """(M, D) the LLM's input embeddings of the question's token ids (the HF path's `question_embeddings`)."""
+        return self.get_language_model().embed_input_ids(torch.tensor(ids, dtype=torch.long, device=device))
+
     def embed_multimodal(self, **kwargs):
         if not self.compresses_video:
             return super().embed_multimodal(**kwargs)
@@ -256,6 +267,7 @@ class CompressingModelMixin:
                 grids=[(1, h, w)] * t,
                 received_attention=received[i] if method.needs_attention else None,
                 keys=keys[i] if method.needs_attention else None,
+                query=self.question_embeddings(setting.query, features.device) if method.needs_query else None,
             )
             call = CountedCall(method.compress, Stopwatch(features.device))
             compression = call(tokens, setting.keep(t * h * w, t), setting.seed)
@@ -285,7 +297,7 @@ class CompressingModelMixin:
 
 
 def unbatched(settings, count: int) -> list:
-    """The per-item settings vLLM batched (a (count, 4) tensor, a list of (4,) tensors, or None)."""
+    """The per-item settings vLLM batched (a (count, 5 + M) tensor, a list of such rows, or None)."""
     if settings is None:
         return [None] * count
     return list(settings) if not isinstance(settings, torch.Tensor) or settings.dim() == 2 else [settings]

@@ -227,11 +227,20 @@ class VLLMBackbone:
         )
 
     def build_compressed_request(
-        self, prompt: str, video: DecodedVideo, plan: ResizePlan, method: str, retention: float, seed: int, pairs=None
-    ) -> dict:
-        """vLLM prompt dict asking the engine's model to compress the video (one item at the one-size `plan`)
-        with `method` at `retention` (`vllm_compression.CompressionSetting`); what it kept comes back with
-        the engine's output (`generate_batch`)."""
+        self,
+        prompt: str,
+        video: DecodedVideo,
+        plan: ResizePlan,
+        method: str,
+        retention: float,
+        seed: int,
+        pairs=None,
+        query: str | None = None,
+    ) -> tuple[dict, int | None]:
+        """(vLLM prompt dict, the question's token count or None) asking the engine's model to compress the
+        video (one item at the one-size `plan`) with `method` at `retention`
+        (`vllm_compression.CompressionSetting`), reading the `query` text's embeddings where given; what it
+        kept comes back with the engine's output (`generate_batch`)."""
         from .vllm_compression import CompressionSetting
 
         if not self.compresses_in_engine:
@@ -240,12 +249,14 @@ class VLLMBackbone:
             raise ValueError("a compressed video goes to vLLM as one item of one size; the plan has several")
         pairs = pairs if pairs is not None else self.layout.resized_pairs(video, plan)
         item = video_item(torch.cat(pairs), self.layout.video_metadata(video))  # (T, h, w, 3) uint8
-        setting = CompressionSetting(method, retention, seed, next(self._records))
-        return {
+        ids = () if query is None else tuple(self.processor.tokenizer(query, add_special_tokens=False)["input_ids"])
+        setting = CompressionSetting(method, retention, seed, next(self._records), ids)
+        request = {
             "prompt": self.layout.video_prompt(prompt, 1),
             "multi_modal_data": {"video": [item]},
             "mm_processor_kwargs": setting.request_kwargs(),
         }
+        return request, None if query is None else len(ids)
 
     def compression_log(self, records: list[int]) -> dict[int, dict]:
         """What the engine's model kept for these request records (kept indices, group sizes, FLOPs, seconds),

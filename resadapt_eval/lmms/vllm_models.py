@@ -87,12 +87,6 @@ class ResAdaptQwenVLLM(ResAdaptQwen):
 
     @classmethod
     def check_engine(cls, method: Method) -> None:
-        if method.needs_query and method.kind.vllm:
-            raise ValueError(
-                f"method={method.name} reads the question's embeddings, which the vLLM engine's model does not "
-                f"see (it gets the video item): run it on the HF path (--model {method.name}_{cls.family} or "
-                f"resadapt_{cls.family})"
-            )
         if not method.vllm:
             raise ValueError(
                 f"method={method.name} acts {method.stage.replace('_', ' ')}, which vLLM does not expose: "
