@@ -5,7 +5,7 @@
     .venv-vllm/bin/python benchmarks/vllm_throughput.py --backbone qwen25vl-7b --frames 32   # on a GPU
 
 Methods: vanilla, fixed_scale and resadapt (the untrained Allocator) on the per-pair engine, vLLM's EVS
-(Qwen2.5-VL) on its own engine, and every compressor vLLM runs (`vllm_compression.compressor_names`) on
+(Qwen2.5-VL) on its own engine, and every compressor vLLM runs (`methods.vllm_compressors`) on
 one engine started for compression, all at R = --retention. At concurrency c, waves of c requests (smoke
 videos, repeated) go to `VideoPipeline.run_batch` together: vLLM has all c in flight. Requests per second
 run from the video path to the answer (decode, plan, the engine); time to first token is vLLM's own,
@@ -58,13 +58,13 @@ def measure(pipeline: VideoPipeline, videos, concurrency: int, waves: int, new_t
 
 def engines(family: str, path: str, args) -> list[tuple[str, dict, list[str]]]:
     """(engine label, VLLMBackbone arguments, methods it serves), vanilla first on each."""
-    from resadapt_eval.backbones.vllm_compression import compressor_names
-    from resadapt_eval.methods import get_method
+    from resadapt_eval.methods import get_method, vllm_compressors
 
     plain = ("per-pair", {}, ["vanilla", "fixed_scale", "resadapt"])
     evs_rate = get_method("evs").pruning_rate(args.retention)
     evs = ("evs", dict(video_pruning_method="evs", video_pruning_rate=evs_rate), ["evs"])
-    compressing = ("compressing", dict(token_compression=True), compressor_names())
+    compressors = vllm_compressors()
+    compressing = ("compressing", dict(token_compression=compressors), sorted(compressors))
     chosen = [plain, compressing] if family == "qwen3vl" else [plain, evs, compressing]  # no EVS on Qwen3-VL here
     if args.methods:
         chosen = [(label, kw, [m for m in ms if m == "vanilla" or m in args.methods]) for label, kw, ms in chosen]

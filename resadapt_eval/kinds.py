@@ -524,8 +524,8 @@ class Compressor(InModel):
     untimed_work = None
 
     def engine_args(self, spec) -> dict:
-        """vLLM's engine started for compression on request."""
-        return dict(token_compression=True)
+        """vLLM's engine started to run this method's compressor inside its model on request."""
+        return dict(token_compression={spec.method.name: spec.method.compressor.location})
 
     def check_engine(self, spec, backbone) -> None:
         if backbone.compresses_in_engine and spec.method.vllm_compressor:

@@ -339,3 +339,9 @@ register(
 register(
     Method("resadapt", "ResAdapt", "ResAdapt", RESIZE_POLICY, OPTIONAL_RETENTION, needs_allocator=True, in_paper=True)
 )
+
+
+def vllm_compressors() -> dict[str, str]:
+    """{method name: `TokenCompressor.location`} of every compressor the vLLM engine runs inside its model:
+    the `token_compression` table of one engine serving them all."""
+    return {name: m.compressor.location for name, m in METHODS.items() if m.vllm_compressor}

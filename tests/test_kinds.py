@@ -93,7 +93,12 @@ def test_only_the_engine_side_pruner_sets_the_engines_pruning():
         for name, m in METHODS.items()
         if m.kind is not ENGINE_PRUNER
     ]
-    assert len(others) == len(METHODS) - 1 and all(spec.kind.engine_args(spec) == {} for spec in others)
+    assert len(others) == len(METHODS) - 1 and all("video_pruning_method" not in s.kind.engine_args(s) for s in others)
+    # a vision-side compressor's engine runs it inside the model (`vllm_compression`): its own table; the rest none
+    for spec in others:
+        table = {spec.method.name: spec.method.compressor.location} if spec.method.vllm_compressor else None
+        assert spec.kind.engine_args(spec) == ({} if table is None else dict(token_compression=table))
+    assert sum(spec.method.vllm_compressor for spec in others) == 14
 
 
 def test_the_config_only_table_refuses_what_a_run_refuses():

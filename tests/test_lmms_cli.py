@@ -282,7 +282,7 @@ def test_vllm_models_are_registered_and_say_what_they_need(fixtures_dir):
     assert get_model("resadapt_qwen25vl_vllm") is ResAdaptQwen25VLVLLM
     assert get_model("resadapt_qwen3vl_vllm") is ResAdaptQwen3VLVLLM
     with pytest.raises(ValueError, match="HF path"):
-        ResAdaptQwen25VLVLLM(pretrained=str(fixtures_dir / "qwen25vl"), method="visionzip", retention=0.25)
+        ResAdaptQwen25VLVLLM(pretrained=str(fixtures_dir / "qwen25vl"), method="fastv", retention=0.25)
     # vLLM's own pruning: its model names are vLLM classes, and the HF classes refuse it before loading
     from resadapt_eval.lmms.models import ResAdaptQwen25VL
     from resadapt_eval.lmms.vllm_models import EVSQwen3VL

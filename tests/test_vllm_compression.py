@@ -5,17 +5,19 @@ import torch
 
 pytest.importorskip("vllm")
 
-from resadapt_eval.backbones.vllm_compression import compressor_names  # noqa: E402
 from resadapt_eval.backbones.vllm_engine import VLLMBackbone  # noqa: E402
 from resadapt_eval.baselines import kept_count  # noqa: E402
 from resadapt_eval.budget.plan import plan_from_scales  # noqa: E402
 from resadapt_eval.budget.policies import BudgetSpec  # noqa: E402
-from resadapt_eval.methods import METHODS, get_method  # noqa: E402
+from resadapt_eval.methods import METHODS, get_method, vllm_compressors  # noqa: E402
 from resadapt_eval.pipeline import Request, VideoPipeline, VideoPipelineConfig  # noqa: E402
 
 from .helpers import REPO, chat_prompt, lmms_eval_command, sidecar_records, synthetic_video  # noqa: E402
 
-KV_CACHE_BYTES = 64 << 20  # vLLM on CPU otherwise reserves most of the machine's memory
+KV_CACHE_BYTES = 64 << 20
+TABLE = {
+    "visionzip": get_method("visionzip").compressor.location
+}  # vLLM on CPU otherwise reserves most of the machine's memory
 FAMILIES = ["qwen25vl", "qwen3vl"]
 BASE_HW = {"qwen25vl": (112, 140), "qwen3vl": (128, 160)}  # pixels, on each backbone's token grid
 
@@ -30,7 +32,7 @@ def compressing(fixtures_dir):
             max_num_frames=8,
             dtype="float32",
             kv_cache_memory_bytes=KV_CACHE_BYTES,
-            token_compression=True,
+            token_compression=vllm_compressors(),
         )
         for family in FAMILIES
     }
@@ -38,13 +40,16 @@ def compressing(fixtures_dir):
 
 def test_the_vllm_compressors_are_every_vision_side_compressor():
     compressors = {name for name, m in METHODS.items() if m.kind.name == "vision-side compressor"}
-    assert set(compressor_names()) == compressors
+    assert set(vllm_compressors()) == compressors
+    for name, location in vllm_compressors().items():  # where the engine's process loads each one from
+        module, attribute = location.split(":")
+        assert getattr(__import__(module, fromlist=[attribute]), attribute) is get_method(name).compressor
     assert {"random_drop", "tome", "visionzip", "flashvid", "divprune", "vidcom2", "fastvid"} <= compressors
     assert {"cdpruner"} == {name for name in compressors if get_method(name).needs_query}
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-@pytest.mark.parametrize("name", compressor_names())
+@pytest.mark.parametrize("name", sorted(vllm_compressors()))
 def test_each_compressor_keeps_the_hf_paths_tokens_positions_and_first_token(compressing, adapters, family, name):
     """Same video and question, float32: vLLM's model keeps the tokens the HF path keeps (indices and group
     sizes), its prompt holds floor(R N) placeholders, and the first token's top-20 log-probabilities agree."""
@@ -110,7 +115,7 @@ def test_every_compressor_answers_a_chunk_with_the_hf_paths_record(compressing, 
     compress is refused on this engine."""
     engine, retention = compressing[family], 0.1
     videos = sorted((fixtures_dir / "smoke_videoqa" / "videos").glob("*.mp4"))[:2]
-    for name in compressor_names():
+    for name in sorted(vllm_compressors()):
         config = VideoPipelineConfig(method=name, max_num_frames=8, budget=BudgetSpec(retention=retention))
         served = VideoPipeline(engine, config).run_batch(jobs(engine, videos))
         reference = VideoPipeline(adapters[family], config).run_batch(jobs(engine, videos))
@@ -134,7 +139,7 @@ def test_what_vllm_cannot_run_stops_at_start_naming_it(fixtures_dir):
     ResAdaptQwen25VLVLLM.check_engine(get_method("visionzip"))  # runs
     ResAdaptQwen3VLVLLM.check_engine(get_method("cdpruner"))
     with pytest.raises(ValueError, match="tensor_parallel_size=1"):
-        VLLMBackbone("qwen25vl", str(fixtures_dir / "qwen25vl"), 8, tensor_parallel_size=2, token_compression=True)
+        VLLMBackbone("qwen25vl", str(fixtures_dir / "qwen25vl"), 8, tensor_parallel_size=2, token_compression=TABLE)
 
 
 @pytest.mark.parametrize(

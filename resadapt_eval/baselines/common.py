@@ -110,6 +110,12 @@ class TokenCompressor:
     config_flops: Callable | None = None
     fewest_per_pair: Callable | None = None
 
+    @property
+    def location(self) -> str:
+        """ "module:attribute" where it is declared (its module's `COMPRESSOR`), for a process that loads it by
+        name (vLLM's engine, `backbones/vllm_compression.py`)."""
+        return f"{self.compress.__module__}:COMPRESSOR"
+
     def fewest(self, grids) -> int:
         """The fewest tokens it can keep of a video of these (t, h, w) pair grids."""
         return sum(self.fewest_per_pair(tuple(g)) for g in grids) if self.fewest_per_pair else len(grids)
