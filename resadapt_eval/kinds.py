@@ -524,8 +524,9 @@ class Compressor(InModel):
     untimed_work = None
 
     def engine_args(self, spec) -> dict:
-        """vLLM's engine started to run this method's compressor inside its model on request."""
-        return dict(token_compression={spec.method.name: spec.method.compressor.location})
+        """vLLM's engine started to run this method's compressor inside its model on request (a kind with a
+        stage inside the LLM, vllm False: none)."""
+        return dict(token_compression={spec.method.name: spec.method.compressor.location}) if self.vllm else {}
 
     def check_engine(self, spec, backbone) -> None:
         if backbone.compresses_in_engine and spec.method.vllm_compressor:
@@ -605,9 +606,6 @@ class CompressorThenPruner(Compressor):
     hf, vllm, images = True, False, False  # its stage inside the LLM runs on the HF model
     slots = ("compressor", "prune")
 
-    def engine_args(self, spec) -> dict:
-        return {}
-
     def check_llm(self, spec, dims) -> None:
         """Bad `prune_layers` only: the floor on every video is `retention_floor`'s."""
         try:
@@ -675,9 +673,6 @@ class DecodePruner(Compressor):
     name = "decode-time KV pruner"
     hf, vllm, images = True, False, False  # its decoding stage edits the HF model's KV cache
     slots = ("compressor", "decode_prune")
-
-    def engine_args(self, spec) -> dict:
-        return {}
 
     def token_budget(self, spec, plans, reference, dims) -> TokenBudget:
         budget = super().token_budget(spec, plans, reference, dims)

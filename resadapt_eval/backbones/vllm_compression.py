@@ -336,7 +336,8 @@ class Qwen25Layout:
         seconds = video.get("second_per_grid_ts")
         run = VisionRun(0, [(1, h, w)] * t, [float(seconds[index]) if seconds is not None else 1.0] * t)
         positions = qwen25_mrope_positions(run.num_tokens, [run], self.config.vision_config.tokens_per_second)
-        positions = positions.to(features.device) if kept is None else positions.to(features.device)[:, kept]
+        positions = positions.to(features.device)
+        positions = positions if kept is None else positions[:, kept]
         return torch.cat([features, encode_positions(positions, features.dtype)], dim=1)
 
     def place(self, ids, embeddings, positions):
@@ -376,7 +377,6 @@ class Qwen3Layout:
         return main, [deepstack]
 
     def item_rows(self, video, index, grid, kept, features, extra):
-        from vllm.model_executor.models.qwen3_vl import Qwen3VLMultiModalProcessor
         from vllm.model_executor.models.utils import _merge_multimodal_embeddings
 
         t, h, w = grid
@@ -386,16 +386,8 @@ class Qwen3Layout:
         timestamps = video.timestamps[index]
 
         def repl(per_pair):
-            return torch.tensor(  # cpu: token ids of the item's rows
-                Qwen3VLMultiModalProcessor.get_video_repl(
-                    tokens_per_frame=per_pair,
-                    timestamps=timestamps,
-                    tokenizer=self._tokenizer,
-                    vision_start_token_id=config.vision_start_token_id,
-                    vision_end_token_id=config.vision_end_token_id,
-                    video_token_id=config.video_token_id,
-                ).full
-            )
+            rows = qwen3_video_repl(config, self._tokenizer, per_pair, timestamps).full
+            return torch.tensor(rows)  # cpu: token ids of the item's rows
 
         ids, full_ids = repl(counts), repl([h * w] * t)
         full = self.uncompressed_positions(full_ids.tolist(), grid)  # (3, rows of the whole item)
@@ -452,6 +444,21 @@ class Qwen3Layout:
         positions[:, start:end] = base + relative.to(positions.device)
         if end < positions.shape[1]:
             positions[:, end:] += base + int(relative[0, -1]) + 1 - positions[0, end]
+
+
+def qwen3_video_repl(config, tokenizer, tokens_per_pair: list[int], timestamps):
+    """vLLM's Qwen3-VL rows of a video item (`get_video_repl`: per pair its timestamp's text,
+    `<|vision_start|>`, its tokens, `<|vision_end|>`) with `tokens_per_pair` video tokens."""
+    from vllm.model_executor.models.qwen3_vl import Qwen3VLMultiModalProcessor
+
+    return Qwen3VLMultiModalProcessor.get_video_repl(
+        tokens_per_frame=tokens_per_pair,
+        timestamps=timestamps,
+        tokenizer=tokenizer,
+        vision_start_token_id=config.vision_start_token_id,
+        vision_end_token_id=config.vision_end_token_id,
+        video_token_id=config.video_token_id,
+    )
 
 
 class PruningWorkerMixin:

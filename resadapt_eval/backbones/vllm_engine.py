@@ -202,6 +202,11 @@ class VLLMBackbone:
             raise RuntimeError(
                 f"vLLM's {self.video_pruning_method} keeps {keep} visual tokens; the token rule counts {counted}"
             )
+        return self._whole_video(prompt, video, plan, pairs)
+
+    def _whole_video(self, prompt: str, video: DecodedVideo, plan: ResizePlan, pairs) -> dict:
+        """vLLM prompt dict with the video as one stock item at the one-size `plan` (vLLM prunes, or our model
+        compresses, within an item)."""
         pairs = pairs if pairs is not None else self.layout.resized_pairs(video, plan)
         item = video_item(torch.cat(pairs), self.layout.video_metadata(video))  # (T, h, w, 3) uint8
         return {"prompt": self.layout.video_prompt(prompt, 1), "multi_modal_data": {"video": [item]}}
@@ -247,15 +252,9 @@ class VLLMBackbone:
             raise ValueError("token compressors run on a vLLM engine started with their token_compression table")
         if len(set(plan.pair_sizes)) != 1:
             raise ValueError("a compressed video goes to vLLM as one item of one size; the plan has several")
-        pairs = pairs if pairs is not None else self.layout.resized_pairs(video, plan)
-        item = video_item(torch.cat(pairs), self.layout.video_metadata(video))  # (T, h, w, 3) uint8
         ids = () if query is None else tuple(self.processor.tokenizer(query, add_special_tokens=False)["input_ids"])
         setting = CompressionSetting(method, retention, seed, next(self._records), ids)
-        request = {
-            "prompt": self.layout.video_prompt(prompt, 1),
-            "multi_modal_data": {"video": [item]},
-            "mm_processor_kwargs": setting.request_kwargs(),
-        }
+        request = dict(self._whole_video(prompt, video, plan, pairs), mm_processor_kwargs=setting.request_kwargs())
         return request, None if query is None else len(ids)
 
     def compression_log(self, records: list[int]) -> dict[int, dict]:
@@ -289,7 +288,8 @@ class VLLMBackbone:
         the engine and is not timed apart, and its memory is vLLM's (`gpu_memory_utilization`)."""
         outputs = self.llm.generate(requests, [self.sampling_params(**kw) for kw in gen_kwargs], use_tqdm=False)
         records = [compression_record(r) for r in requests]
-        log = self.compression_log([r for r in records if r is not None]) if any(r is not None for r in records) else {}
+        compressed = [r for r in records if r is not None]
+        log = self.compression_log(compressed) if compressed else {}
         answers = []
         for out, record in zip(outputs, records):
             n_out, metrics = len(out.outputs[0].token_ids), out.metrics

@@ -32,7 +32,13 @@ from vllm.model_executor.models.qwen3_vl import (
 from vllm.multimodal import MULTIMODAL_REGISTRY
 
 from .mrope import VisionRun, qwen25_mrope_positions
-from .vllm_compression import CompressingModelMixin, CompressingProcessorMixin, Qwen3Layout, Qwen25Layout
+from .vllm_compression import (
+    CompressingModelMixin,
+    CompressingProcessorMixin,
+    Qwen3Layout,
+    Qwen25Layout,
+    qwen3_video_repl,
+)
 
 
 def vision_runs(mm_features, spatial_merge_size: int) -> list[VisionRun]:
@@ -92,16 +98,9 @@ class CompressingQwen3VLProcessor(CompressingProcessorMixin, Qwen3VLMultiModalPr
     every row of the item an embedding (as vLLM's own video pruning writes it; `vllm_compression.Qwen3Layout`)."""
 
     def compressed_placeholders(self, item, keep: int):
-        config = self.info.get_hf_config()
         t = int(item["video_grid_thw"].data[0])
-        return Qwen3VLMultiModalProcessor.get_video_repl(
-            tokens_per_frame=[keep] + [0] * (t - 1),
-            timestamps=item["timestamps"].data,
-            tokenizer=self.info.get_tokenizer(),
-            vision_start_token_id=config.vision_start_token_id,
-            vision_end_token_id=config.vision_end_token_id,
-            video_token_id=config.video_token_id,
-        )
+        tokenizer = self.info.get_tokenizer()
+        return qwen3_video_repl(self.info.get_hf_config(), tokenizer, [keep] + [0] * (t - 1), item["timestamps"].data)
 
 
 @MULTIMODAL_REGISTRY.register_processor(
