@@ -366,7 +366,7 @@ SMOKE_COLOURS = {"red": (220, 40, 40), "green": (40, 200, 60), "blue": (40, 80, 
 SMOKE_SHAPES = [(320, 240), (240, 320), (400, 400), (480, 270)]
 SMOKE_DIR = "smoke_videoqa"
 COMPLETE_MARKER = ".complete"  # written last, so a half-written folder is rewritten
-FIXTURES_VERSION = 5  # bump when the fixtures change, so old folders are rewritten
+FIXTURES_VERSION = 6  # bump when the fixtures change, so old folders are rewritten
 
 
 def write_video(path: Path, frames: np.ndarray, fps: float, lossless: bool = False) -> None:
@@ -467,8 +467,9 @@ def write_fixtures(out: Path, seed: int = 0) -> dict[str, Path]:
 
 def write_benchmark_fixtures(out_dir: Path, smoke_dir: Path, seed: int = 0) -> dict[str, Path]:
     """Tiny test splits with the columns of the real datasets (VideoMME, LVBench, Charades-STA,
-    NExT-GQA, ActivityNet Captions grounding, ChartQA), over the smoke clips and generated charts,
-    so the real tasks' prompt and scoring functions run offline (tasks/resadapt_fixtures/).
+    NExT-GQA, ActivityNet Captions grounding, ChartQA, TempCompass multi-choice), over the smoke
+    clips and generated charts, so the real tasks' prompt and scoring functions run offline
+    (tasks/resadapt_fixtures/).
     `video_path` / `image_path` hold absolute paths to the local media."""
     rng = np.random.default_rng(seed)
     smoke = [json.loads(line) for line in (smoke_dir / "test.jsonl").read_text().splitlines()]
@@ -480,6 +481,7 @@ def write_benchmark_fixtures(out_dir: Path, smoke_dir: Path, seed: int = 0) -> d
         "nextgqa": [],
         "activitynet": [],
         "chartqa": [],
+        "tempcompass": [],
     }
     for i, clip in enumerate(smoke[:4]):
         path, vid = clip["video_path"], clip["videoID"]
@@ -550,6 +552,45 @@ def write_benchmark_fixtures(out_dir: Path, smoke_dir: Path, seed: int = 0) -> d
                 answer=str(10 * (i + 1)),
                 type="human_test",
                 image_path=str(image_path.resolve()),
+            )
+        )
+    # TempCompass multi-choice (lmms-lab/TempCompass, config multi-choice): the options are lines of
+    # the question, the answer is the whole option line, dim is the temporal aspect asked about. The
+    # smoke clips' square moves right at 4 px a frame in the clip's middle third, in one colour.
+    tempcompass = [
+        ("direction", "In which direction is the square moving?", ["left", "right", "up", "down"], 1),
+        (
+            "speed",
+            "How fast does the square move?",
+            ["at a constant speed", "faster and faster", "slower and slower"],
+            0,
+        ),
+        (
+            "order",
+            "In what order do these happen in the video?",
+            [
+                "the square moves, then stops",
+                "the square spins, then moves",
+                "the square appears, moves, then disappears",
+            ],
+            2,
+        ),
+        (
+            "attribute_change",
+            "How does the colour of the square change?",
+            ["it stays the same", "it turns red", "it turns blue", "it fades to white"],
+            0,
+        ),
+    ]
+    for clip, (dim, question, options, answer) in zip(smoke[:4], tempcompass):
+        lines = [f"{letter}. {option}" for letter, option in zip("ABCD", options)]
+        rows["tempcompass"].append(
+            dict(
+                video_id=clip["videoID"],
+                question="\n".join([question, *lines]),
+                answer=lines[answer],
+                dim=dim,
+                video_path=clip["video_path"],
             )
         )
     paths = {}

@@ -51,6 +51,8 @@ from .measure.clock import peak_memory_mb, reset_peak_memory
 from .measure.counting import CountedCall
 
 if TYPE_CHECKING:
+    import torch
+
     from .budget.planner import Planner
     from .methods import Method
     from .runspec import RunSpec
@@ -122,7 +124,9 @@ class ModelInputs:
     compressor_flops: its work as counted, vision_s: its vision tower's seconds, peak_memory_mb:
     the peak while it encoded and compressed (None where the tower runs inside the engine call),
     compress_s: the compressor's own seconds (None: the kind has none, `untimed_work` says why);
-    query_tokens: the question's tokens a compressor that reads it was given (None: it reads none)."""
+    query_tokens: the question's tokens a compressor that reads it was given (None: it reads none);
+    assignment: (N,) each planned token's destination among them, -1 dropped (`kept.KeptTokens`; None:
+    every planned token enters the LLM as its own)."""
 
     request: object
     merged_sizes: tuple[int, ...] | None = None
@@ -131,6 +135,7 @@ class ModelInputs:
     peak_memory_mb: float | None = None
     compress_s: float | None = None
     query_tokens: int | None = None
+    assignment: torch.Tensor | None = None
 
 
 class MethodKind:
@@ -577,7 +582,10 @@ class Compressor(InModel):
         vision_s, peak = timer.take(), peak_memory_mb(backbone.device)
         inputs = self.then(backbone, inputs, budget, compressor.last)
         query_tokens = None if query is None else query.shape[0]
-        return ModelInputs(inputs, merged, compressor.flops, vision_s, peak, compressor.seconds(), query_tokens)
+        assignment = compressor.last.assignment
+        return ModelInputs(
+            inputs, merged, compressor.flops, vision_s, peak, compressor.seconds(), query_tokens, assignment
+        )
 
     def then(self, backbone, inputs, budget: TokenBudget, compression):
         """The compressed inputs as the engine runs them (`compression`: what the compressor returned):
@@ -755,7 +763,10 @@ class InTowerMerger(InModel):
                 f"the budget counts {budget.tower.tokens}"
             )
         vision_s, peak = timer.take(), peak_memory_mb(backbone.device)
-        return ModelInputs(inputs, tuple(reducer.sizes.tolist()), reducer.flops, vision_s, peak, reducer.seconds())
+        sizes = tuple(reducer.sizes.tolist())
+        return ModelInputs(
+            inputs, sizes, reducer.flops, vision_s, peak, reducer.seconds(), assignment=reducer.assignment
+        )
 
     def own_flops(self, method, dims, grids, retention, counted) -> int:
         """Counted in a run; from configs alone (at the method's own merging blocks), the attention

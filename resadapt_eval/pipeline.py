@@ -99,6 +99,7 @@ class Built:
     peak_memory_mb: float | None = None
     compress_s: float | None = None
     query_tokens: int | None = None
+    assignment: object = None
 
 
 @dataclass(frozen=True)
@@ -291,6 +292,7 @@ class VideoPipeline:
             inputs.peak_memory_mb,
             inputs.compress_s,
             inputs.query_tokens,
+            inputs.assignment,
         )
 
     def generate(

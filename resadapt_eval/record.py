@@ -7,7 +7,10 @@ import math
 from dataclasses import asdict, dataclass, field, fields
 from typing import TYPE_CHECKING
 
+import numpy as np
+
 from .compute.flops import dims_from_config, sample_flops
+from .kept import KeptTokens, encode
 
 if TYPE_CHECKING:
     from .backbones.layout import QwenLayout
@@ -27,7 +30,10 @@ class SampleRecord:
     achieved_retention = layer_averaged_tokens / reference_tokens (for every method but those
     pruning inside the LLM, visual_tokens / reference_tokens); raw_scales: an Allocator's scales before
     projection to the target R; merged_sizes: for token compressors, how many original tokens each
-    kept token stands for (sums to the vanilla count for merging methods); tower_tokens: for a method
+    kept token stands for (sums to the vanilla count for merging methods); kept: which of the plan's
+    tokens entered the LLM, how merged tokens were grouped and which an in-LLM method held from each
+    of its stages on (`kept.py`: encoded compactly, read back by `kept.read_kept`; null for a failed
+    sample, and where the engine pruned without saying which: vLLM's EVS); tower_tokens: for a method
     merging inside the vision tower, the patches entering each vision block, then the merger's. Frame selection:
     candidates (frames scored), frame_indices (the kept ones), reference_tokens (the candidates'
     vanilla tokens, so R is against vanilla at the candidate count, as the paper reports it);
@@ -89,6 +95,7 @@ class SampleRecord:
     target_retention: float | None = None
     raw_scales: list[float] | None = None
     merged_sizes: list[int] | None = None
+    kept: dict | None = None
     tower_tokens: list[int] | None = None
     candidates: int | None = None
     frame_budget: float | None = None
@@ -165,6 +172,30 @@ def _budget_source(allocator: str | None) -> str | None:
 def error_text(exc: BaseException) -> str:
     """How a failed sample's exception is recorded: its type and message."""
     return f"{type(exc).__name__}: {exc}"
+
+
+def kept_field(planned: Planned, built: Built, engine, budget: TokenBudget) -> dict | None:
+    """The record's `kept`: the compressor's assignment (from the engine, or from building the inputs),
+    else every planned token as its own; an in-LLM pruner's stages over it. None where the tokens that
+    entered are fewer than the plan's and nothing said which (an engine's own pruning)."""
+    planned_tokens = sum(t * h * w for p in planned.plans for t, h, w in p.grids)
+    if engine.assignment is not None:
+        kept = KeptTokens(np.asarray(engine.assignment, dtype=np.int64))
+    elif built.assignment is not None:
+        kept = KeptTokens(built.assignment.cpu().numpy().astype(np.int64))
+    elif budget.entering == planned_tokens:
+        kept = KeptTokens.everything(planned_tokens)
+    else:
+        return None
+    if len(kept.assignment) != planned_tokens or len(kept.kept) != budget.entering:
+        raise RuntimeError(
+            f"the method kept {len(kept.kept)} of {len(kept.assignment)} tokens; the plan counts "
+            f"{budget.entering} of {planned_tokens}"
+        )
+    if engine.held_stages:
+        stages = tuple(kept.stage_from_entering(layer, entering) for layer, entering in engine.held_stages)
+        kept = KeptTokens(kept.assignment, stages)
+    return encode(kept)
 
 
 def build_record(
@@ -249,6 +280,10 @@ def build_record(
         if engine.vision_s is not None:
             record.vision_s = engine.vision_s + built.vision_s
         dims = dims_from_config(layout.config)
+        try:
+            record.kept = kept_field(planned, built, engine, budget)
+        except RuntimeError as exc:  # what it kept disagrees with its count: the sample fails, the run goes on
+            record.error = error_text(exc)
         if budget.tower is not None:  # patches entering each vision block, then the merger
             record.tower_tokens = budget.tower.tokens
         flops = sample_flops(

@@ -377,3 +377,23 @@ def sweep_cmd(output, methods, retention="0.25", limit=3, card=None):
         "--limit",
         str(limit),
     ]
+
+
+def check_kept(record: dict) -> None:
+    """A successful record's kept tokens agree with its counts: the mask covers the plan's tokens and
+    holds exactly `visual_tokens`; merged groups' sizes are `merged_sizes`; each in-LLM stage holds
+    `layer_visual_tokens` at its layer, a subset of the stage before."""
+    from resadapt_eval.kept import read_kept
+
+    kept = read_kept(record)
+    assert kept is not None, record["method"]
+    assert len(kept.assignment) == sum(t * h * w for t, h, w in record["grids"])
+    assert kept.mask.sum() == record["visual_tokens"] == len(kept.kept)
+    groups = kept.groups
+    if record["merged_sizes"] is not None:
+        assert np.bincount(groups[groups >= 0], minlength=len(kept.kept)).tolist() == record["merged_sizes"]
+    held = kept.mask
+    for layer, mask in kept.stages:
+        assert mask.sum() == record["layer_visual_tokens"][layer]
+        assert not (mask & ~held).any()  # a later stage holds only tokens the earlier held
+        held = mask

@@ -26,6 +26,14 @@ FIXTURE_TASKS = {
     "resadapt_fixture_nextgqa": ["acc,none", "miou,none"],
     "resadapt_fixture_activitynet_tg": ["r0.3,none", "r0.5,none", "r0.7,none", "miou,none"],
     "resadapt_fixture_chartqa": ["relaxed_overall,none"],
+    # one sample per temporal aspect; no `action` sample, so no action_accuracy
+    "resadapt_fixture_tempcompass": [
+        "avg_accuracy,none",
+        "speed_accuracy,none",
+        "direction_accuracy,none",
+        "order_accuracy,none",
+        "attribute_change_accuracy,none",
+    ],
 }
 
 
@@ -93,6 +101,53 @@ def test_grounding_metrics_on_a_hand_made_prediction_file(tmp_path):
     assert wrong["acc"] == 0.0 and wrong["miou"]["iou"] == 0.0 and wrong["miou"]["reason"]
     assert grounding.aggregate_accuracy([right["acc"], wrong["acc"]]) == 50.0
     assert grounding.aggregate_miou([right["miou"], wrong["miou"]]) == pytest.approx(100 * (1 / 1.5) / 2)
+
+
+def test_tempcompass_scores_a_hand_made_answer_with_lmms_evals_own_functions(monkeypatch):
+    import importlib
+
+    from resadapt_eval.tasks import tempcompass
+
+    utils = importlib.import_module("lmms_eval.tasks.tempcompass.utils")  # after ours: it reads HF_HOME at import
+
+    # the fixture task's prompt and aggregation are lmms-eval's own function objects
+    assert tempcompass.doc_to_text is utils.tempcompass_doc_to_text_multi_choice
+    assert tempcompass.aggregate_rating is utils.tempcompass_aggregate_rating
+    doc = {
+        "video_id": "v0",
+        "question": "In which direction is the square moving?\nA. left\nB. right\nC. up\nD. down",
+        "answer": "B. right",
+        "dim": "direction",
+    }
+    kwargs = {"pre_prompt": "", "post_prompt": {"multi-choice": "\nPlease directly give the best option:"}}
+    assert tempcompass.doc_to_text(doc, kwargs) == doc["question"] + "\nPlease directly give the best option:"
+
+    asked = []  # the GPT judge must not be asked about answers the rules match, nor offline at all
+    monkeypatch.setattr(utils, "get_llm_output", lambda *a, **k: asked.append(a) or "Correct")
+    ratings = {}
+    for answer in ("B. right", "B", "B) right", "A. left", "C", "D)"):
+        scored = utils.tempcompass_process_results_multi_choice(doc, [answer])
+        assert set(scored) == {"avg_accuracy", "direction_accuracy"} and scored["avg_accuracy"]["match_success"]
+        ratings[answer] = scored["avg_accuracy"]["rating"]
+    assert ratings == {"B. right": 1, "B": 1, "B) right": 1, "A. left": 0, "C": 0, "D)": 0}
+    assert not asked
+    # an answer the rules do not match: lmms-eval would ask its judge; the fixture's process_results
+    # gives lmms-eval's own no-response result (rating 0) at once, and puts the judge back afterwards
+    judge = utils.get_eval_result
+    unmatched = tempcompass.process_results(doc, ["the square goes to the right"])
+    assert unmatched["direction_accuracy"]["rating"] == 0 and not unmatched["direction_accuracy"]["match_success"]
+    assert "chatgpt_response" not in unmatched["avg_accuracy"] and not asked
+    assert utils.get_eval_result is judge
+    right = tempcompass.process_results(doc, ["B"])
+    assert right["avg_accuracy"]["rating"] == 1
+
+    results = [
+        right["avg_accuracy"],
+        unmatched["avg_accuracy"],
+        utils.tempcompass_process_results_multi_choice(doc, ["B. right"])["avg_accuracy"],
+    ]
+    assert utils.tempcompass_aggregate_rating(results, None) == pytest.approx(100 * 2 / 3)
+    assert utils.tempcompass_aggregate_rating([unmatched["avg_accuracy"]], None) == 0.0
 
 
 def test_images_take_the_same_budget_path(adapters):

@@ -18,7 +18,7 @@ from resadapt_eval.measure.counting import flop_counter
 from resadapt_eval.methods import BEFORE_ENCODER, METHODS, get_method
 from resadapt_eval.pipeline import VideoPipeline, VideoPipelineConfig
 
-from .helpers import early_prune_layers, text_after_video, video_request
+from .helpers import check_kept, early_prune_layers, text_after_video, video_request
 
 PAPER_TFLOPS = {16: 111.4, 32: 222.5, 64: 444.6, 128: 888.9}  # latency table, Qwen2.5-VL-7B vanilla
 SOURCE_HW = (672, 896)  # a 4:3 896x672 source: 768 tokens per pair
@@ -64,6 +64,7 @@ def test_record_flops_equal_flop_counter_mode(
         _, record = pipeline.run(request)
     assert record.error is None and record.output_tokens >= 2  # decode steps ran
     assert counter.get_total_flops() == record.total_flops
+    check_kept(record.to_dict())  # which tokens it kept, merged and held, as counted
     # the tower runs inside generate, or on its own for a compressor (a root module of its own name)
     model = adapter.model
     names = (f"{type(model).__name__}.model.visual", type(model.model.visual).__name__)

@@ -16,8 +16,9 @@ from pathlib import Path
 PACKAGE = Path(__file__).resolve().parent.parent / "resadapt_eval"
 
 FLOORS = (
-    # foundations: clocks and FLOP counting, run manifests, CAPO's rewards and losses, process groups
-    ("measure", "manifest", "capo", "guard"),
+    # foundations: clocks and FLOP counting, run manifests, CAPO's rewards and losses, process groups,
+    # the kept-token encoding of a record
+    ("measure", "manifest", "capo", "guard", "kept"),
     # the paper's budget: token grids, plans, projection, scale policies, token budgets
     ("budget",),
     # reading videos; the baselines' algorithms; the Allocator model; a sweep cell's files

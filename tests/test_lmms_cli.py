@@ -13,6 +13,7 @@ from resadapt_eval.methods import AFTER_MERGER, INSIDE_LLM, INSIDE_TOWER, METHOD
 # import them from here
 from .helpers import (
     REPO,
+    check_kept,
     early_prune_layers,
     free_port,
     lmms_eval_command,
@@ -229,6 +230,7 @@ def test_token_reducers_run_through_the_cli_at_exact_budgets(fixtures_dir, tmp_p
     for r in records:
         assert r["error"] is None and r["method"] == method
         assert retention - 0.01 <= r["achieved_retention"] <= retention
+        check_kept(r)  # the kept mask decodes to exactly visual_tokens
         if spec.stage == INSIDE_LLM:  # every visual token enters the LLM; R is their layer average
             assert r["visual_tokens"] == r["reference_tokens"] >= r["layer_visual_tokens"][0]
             assert r["achieved_retention"] == sum(r["layer_visual_tokens"]) / 12 / r["reference_tokens"]

@@ -22,6 +22,7 @@ import math
 import sys
 from contextlib import contextmanager
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -218,6 +219,11 @@ class LayerPruner:
         """Seconds its ranking and pruning took so far."""
         return self.work.seconds()
 
+    def held_stages(self) -> list[tuple[int, list[int]]]:
+        """After the call: for each layer whose input was reduced, the visual tokens held from there on,
+        as ordinals among those that entered the LLM (read to the host once, after generation)."""
+        return [(layer, np.searchsorted(self.visual.numpy(), kept.cpu().numpy()).tolist()) for layer, kept in self.held]
+
     def generate_kwargs(self) -> dict:
         """What `generate` takes from this pruner: nothing (it works through hooks alone)."""
         return {}
@@ -225,6 +231,8 @@ class LayerPruner:
     @contextmanager
     def attached(self):
         self.kept = None  # prompt indices the current layer sees (None: all)
+        self.visual_kept = None  # the prompt positions of the visual tokens it sees (None: all)
+        self.held: list[tuple[int, torch.Tensor]] = []  # (layer, visual_kept) after each reduction
         self.kept_by_layer: dict[int, torch.Tensor] = {}  # the prompt positions each layer saw in the prefill
         self.cached: dict[int, torch.Tensor] = {}  # those its cache holds while decoding, where cut since
         self.dropped_columns: dict[int, int] = {}  # prompt columns each cut cache lost
@@ -273,7 +281,10 @@ class LayerPruner:
             hidden = args[0] if args else kwargs["hidden_states"]
             prefill = hidden.shape[1] > 1
             if prefill:
+                before = self.visual_kept
                 hidden = self._reduce(index, module, hidden, kwargs)
+                if self.visual_kept is not before and self.visual_kept is not None:
+                    self.held.append((index, self.visual_kept))
             elif index in self.cut_layers:  # a decoding step skips the columns cut after the prefill
                 self.keys_dropped += self.dropped_columns[index]
             if prefill and self.kept is not None:

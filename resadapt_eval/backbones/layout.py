@@ -193,9 +193,11 @@ class EngineOutput:
     columns a decoding-time pruner kept its steps from attending to, summed over layers and steps;
     rank_s: seconds an in-LLM or decoding-time pruner's own ranking and selection took (None without
     one); prefill_s: the LLM's prefill alone, first_token_s less the vision tower and a prefill
-    pruner's rank_s (None where the engine does not expose its tower); merged_sizes and compress_s: a
-    compressor that ran inside the engine (vLLM's): its group sizes and seconds (None otherwise; the HF path
-    reports them when it builds the inputs)."""
+    pruner's rank_s (None where the engine does not expose its tower); merged_sizes, compress_s and
+    assignment: a compressor that ran inside the engine (vLLM's): its group sizes, seconds and each
+    token's destination (-1 dropped; None otherwise; the HF path reports them when it builds the inputs);
+    held_stages: for a pruner inside the LLM, (layer, the visual tokens held from that layer on, as
+    ordinals among those that entered) for each layer whose input it reduced (None without one)."""
 
     text: str
     prompt_ids: list[int]
@@ -211,6 +213,8 @@ class EngineOutput:
     prefill_s: float | None = None
     merged_sizes: list[int] | None = None
     compress_s: float | None = None
+    assignment: list[int] | None = None
+    held_stages: list[tuple[int, list[int]]] | None = None
 
 
 class Backbone(Protocol):

@@ -33,6 +33,7 @@ class TowerReducer:
         self.merges: list[tuple[int, object]] = []  # (block, UnitMerge) in order
         self.origin: torch.Tensor | None = None  # each current unit's index among the tower's input units
         self.sizes: torch.Tensor | None = None  # how many input units each current unit averages
+        self.group: torch.Tensor | None = None  # each input unit's current unit (its index among them)
         self.block_units: list[int] = []  # units entering each block, then the merger
         self._captured: dict = {}
         self._state: tuple | None = None  # (cu_seqlens, position_embeddings) of the kept units
@@ -57,6 +58,7 @@ class TowerReducer:
         if self.origin is None:
             self.origin = torch.arange(hidden.shape[0] // self.unit, device=hidden.device)
             self.sizes = torch.ones_like(self.origin)
+            self.group = self.origin.clone()
         self.block_units.append(hidden.shape[0] // self.unit)
         if self._state is None:
             return None
@@ -88,6 +90,7 @@ class TowerReducer:
         self.merges.append((index, merge))
         self.origin = self.origin[merge.survivors]
         self.sizes = torch.zeros_like(merge.survivors).index_add_(0, merge.assignment, self.sizes)
+        self.group = merge.assignment[self.group]
         patches = merge.survivors[:, None] * self.unit + torch.arange(self.unit, device=hidden.device)
         cos, sin = captured["position_embeddings"]
         rows = patches.flatten()
@@ -106,6 +109,11 @@ class TowerReducer:
                     feature = merge.apply(feature)
             followed.append(feature)
         return followed
+
+    @property
+    def assignment(self) -> torch.Tensor:
+        """(N,) each input unit's destination: the input unit its merged unit sits at (`origin`)."""
+        return self.origin[self.group]
 
     def seconds(self) -> float:
         """Seconds the merging took."""

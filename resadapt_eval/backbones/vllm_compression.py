@@ -197,15 +197,21 @@ def decode_positions(channels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
 
 @dataclass
 class LogEntry:
-    """What a request's compressor did: kept token indices (sorted), group sizes, its counted call."""
+    """What a request's compressor did: kept token indices (sorted), group sizes, each token's destination
+    (-1 dropped), its counted call."""
 
     kept: torch.Tensor
     sizes: torch.Tensor
+    assignment: torch.Tensor
     call: CountedCall
 
     def summary(self) -> dict:
         return dict(
-            kept=self.kept.tolist(), sizes=self.sizes.tolist(), flops=self.call.flops, seconds=self.call.seconds()
+            kept=self.kept.tolist(),
+            sizes=self.sizes.tolist(),
+            assignment=self.assignment.tolist(),
+            flops=self.call.flops,
+            seconds=self.call.seconds(),
         )
 
 
@@ -285,7 +291,7 @@ class CompressingModelMixin:
             call = CountedCall(compressor.compress, Stopwatch(features.device))
             compression = call(tokens, setting.keep(t * h * w, t), setting.seed)
             kept, sizes, (merged, *merged_extra) = merge_groups(compression, features, *extra)
-            self.compression_log[setting.record] = LogEntry(kept, sizes, call)
+            self.compression_log[setting.record] = LogEntry(kept, sizes, compression.assignment, call)
             out.append(self.item_rows(video, i, (t, h, w), kept, merged, merged_extra))
         return tuple(out)
 

@@ -309,7 +309,11 @@ class VLLMBackbone:
                     raise RuntimeError(f"the engine's model logged no compression for request record {record}")
                 entry = log[record]
                 answers[-1] = dataclasses.replace(
-                    answers[-1], merged_sizes=entry["sizes"], compress_s=entry["seconds"], method_flops=entry["flops"]
+                    answers[-1],
+                    merged_sizes=entry["sizes"],
+                    compress_s=entry["seconds"],
+                    method_flops=entry["flops"],
+                    assignment=entry["assignment"],
                 )
         return answers
 

@@ -23,6 +23,10 @@ TASK_METRICS = {
     "video_mmmu_comprehension": [("mmmu_acc", "videommmu_comprehension")],
     "video_mmmu_adaptation": [("mmmu_acc", "videommmu_adaptation")],
     "lvbench": [("lvbench_score", "lvbench")],
+    # fine-grained temporal perception (speed, direction, order, attribute change); the fixture task
+    # is scored by lmms-eval's own tempcompass_multi_choice functions
+    "tempcompass_multi_choice": [("avg_accuracy", "tempcompass")],
+    "resadapt_fixture_tempcompass": [("avg_accuracy", "tempcompass")],
     "resadapt_activitynet_tg": [
         ("r0.3", "activitynet_r0.3"),
         ("r0.5", "activitynet_r0.5"),
