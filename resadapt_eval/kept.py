@@ -11,9 +11,12 @@ Encoding (`encode`, read back by `read_kept`), JSON:
 - `tokens`: N;
 - `mask`: the tokens that entered the LLM at their own place (destinations), N bits packed
   little-endian (`numpy.packbits(bitorder="little")`), base64: ceil(N / 8) bytes before base64;
-- `groups`: for merging methods only (some token merged into another), each token's LLM token as its
-  ordinal among the K destinations (K for a dropped token), uint16 when K < 65535 else uint32,
-  little-endian, zlib-compressed, base64; null when no token merged;
+- `groups`: for merging methods only (some token merged into another; null otherwise), the merged
+  members and their LLM tokens: `members`, a mask (as `mask`) of the tokens merged into another, and
+  `offsets`, for each member in token order its LLM token's ordinal among the K destinations less the
+  ordinal of the first destination in the member's own frame pair (a merge within the pair: 0 to the
+  pair's destinations - 1), int16 little-endian (int32 when an offset leaves int16's range: `wide`
+  true), LZMA-compressed, base64;
 - `stages`: `[[layer, mask], ...]` for a method with stages inside the LLM, each mask (as `mask`)
   over the N tokens: those still held from decoder `layer` on; null otherwise.
 """
@@ -21,7 +24,7 @@ Encoding (`encode`, read back by `read_kept`), JSON:
 from __future__ import annotations
 
 import base64
-import zlib
+import lzma
 from dataclasses import dataclass
 
 import numpy as np
@@ -83,18 +86,29 @@ def _unbits(text: str, n: int) -> np.ndarray:
     return np.unpackbits(packed, bitorder="little")[:n].astype(bool)
 
 
-def _group_dtype(kept: int) -> np.dtype:
-    return np.dtype("<u2") if kept < np.iinfo(np.uint16).max else np.dtype("<u4")
+def _first_destination(kept: np.ndarray, pair_sizes: list[int], n: int) -> np.ndarray:
+    """(N,) for each token, the ordinal of the first destination in its frame pair."""
+    starts = np.concatenate([[0], np.cumsum(pair_sizes)[:-1]]).astype(np.int64)
+    pair_of = np.repeat(np.arange(len(pair_sizes)), pair_sizes)
+    if len(pair_of) != n:
+        raise ValueError(f"frame pairs of {sum(pair_sizes)} tokens do not cover the {n} kept-token entries")
+    return np.searchsorted(kept, starts)[pair_of]
 
 
-def encode(kept: KeptTokens) -> dict:
-    """The record's `kept` field (see the module docstring)."""
+def encode(kept: KeptTokens, pair_sizes: list[int]) -> dict:
+    """The record's `kept` field (see the module docstring); `pair_sizes`: tokens per frame pair (sum N)."""
     groups = None
     if kept.merges:
-        ordinals = kept.groups
-        count = int(kept.mask.sum())
-        ordinals = np.where(ordinals == DROPPED, count, ordinals).astype(_group_dtype(count))
-        groups = base64.b64encode(zlib.compress(ordinals.tobytes(), 9)).decode("ascii")
+        n = len(kept.assignment)
+        members = (kept.assignment != DROPPED) & ~kept.mask
+        offsets = (kept.groups - _first_destination(kept.kept, pair_sizes, n))[members]
+        wide = bool(len(offsets)) and not (-(2**15) <= offsets.min() and offsets.max() < 2**15)
+        raw = offsets.astype("<i4" if wide else "<i2").tobytes()
+        groups = dict(
+            members=_bits(members),
+            offsets=base64.b64encode(lzma.compress(raw, preset=9)).decode("ascii"),
+            wide=wide,
+        )
     return dict(
         tokens=len(kept.assignment),
         mask=_bits(kept.mask),
@@ -113,13 +127,16 @@ def read_kept(record: dict) -> KeptTokens | None:
     mask = _unbits(field["mask"], n)
     kept = np.flatnonzero(mask)
     assignment = np.where(mask, np.arange(n), DROPPED).astype(np.int64)
-    if field.get("groups"):
-        raw = zlib.decompress(base64.b64decode(field["groups"]))
-        ordinals = np.frombuffer(raw, dtype=_group_dtype(len(kept))).astype(np.int64)
-        if len(ordinals) != n:
-            raise ValueError(f"kept-token groups hold {len(ordinals)} tokens, not {n}")
-        members = ordinals < len(kept)
-        assignment[members] = kept[ordinals[members]]
+    groups = field.get("groups")
+    if groups:
+        members = _unbits(groups["members"], n)
+        raw = lzma.decompress(base64.b64decode(groups["offsets"]))
+        offsets = np.frombuffer(raw, dtype="<i4" if groups["wide"] else "<i2").astype(np.int64)
+        if len(offsets) != members.sum():
+            raise ValueError(f"kept-token groups hold {len(offsets)} offsets for {members.sum()} merged tokens")
+        pair_sizes = [t * h * w for t, h, w in record["grids"]]
+        ordinals = offsets + _first_destination(kept, pair_sizes, n)[members]
+        assignment[members] = kept[ordinals]
     stages = tuple((int(layer), _unbits(text, n)) for layer, text in field.get("stages") or ())
     return KeptTokens(assignment, stages)
 

@@ -178,7 +178,8 @@ def kept_field(planned: Planned, built: Built, engine, budget: TokenBudget) -> d
     """The record's `kept`: the compressor's assignment (from the engine, or from building the inputs),
     else every planned token as its own; an in-LLM pruner's stages over it. None where the tokens that
     entered are fewer than the plan's and nothing said which (an engine's own pruning)."""
-    planned_tokens = sum(t * h * w for p in planned.plans for t, h, w in p.grids)
+    pair_sizes = [t * h * w for p in planned.plans for t, h, w in p.grids]
+    planned_tokens = sum(pair_sizes)
     if engine.assignment is not None:
         kept = KeptTokens(np.asarray(engine.assignment, dtype=np.int64))
     elif built.assignment is not None:
@@ -195,7 +196,7 @@ def kept_field(planned: Planned, built: Built, engine, budget: TokenBudget) -> d
     if engine.held_stages:
         stages = tuple(kept.stage_from_entering(layer, entering) for layer, entering in engine.held_stages)
         kept = KeptTokens(kept.assignment, stages)
-    return encode(kept)
+    return encode(kept, pair_sizes)
 
 
 def build_record(
