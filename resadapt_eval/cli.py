@@ -217,6 +217,12 @@ def cmd_tables(args) -> int:
     listed = {m.name for table in tables for m in table.missing}
     if any(m.name not in listed for m in missing):  # cells of tasks no table shows yet
         print(missing_markdown([m for m in missing if m.name not in listed]))
+    from .report.kept_maps import bias_markdown, bias_rows, write_bias
+
+    bias = bias_rows(runs)
+    if bias:  # where the token-reducing methods keep their tokens, as a number
+        write_bias(bias, out)
+        print(bias_markdown(bias))
     print(f"tables (md, tex, csv): {out}")
     if args.paper:  # the paper's CAPO ablation has no (backbone, frames, R) to match: side by side
         from .report.collect import capo_ablation_markdown, capo_ablation_rows, write_capo_ablation
@@ -252,6 +258,22 @@ def cmd_plots(args) -> int:
     out = Path(args.out) if args.out else Path(args.run_dir[0]) / "plots"
     written = write_plots(runs, out)
     print(f"{len(written)} files (png, pdf): {out}")
+    return 0
+
+
+def cmd_show(args) -> int:
+    """A contact sheet of one sample: one row per method (`report/show.py`)."""
+    from .report.show import contact_sheet, describe, sample_rows
+
+    methods = [m for m in args.methods.split(",") if m] if args.methods else None
+    try:
+        rows = sample_rows(args.run_dir, args.sample, args.task, methods)
+        out = Path(args.out) if args.out else Path(args.run_dir) / "show" / f"sample_{args.sample}.png"
+        sheet = contact_sheet(rows, out, args.video_root)
+    except (FileNotFoundError, ValueError) as exc:
+        print(f"resadapt-eval show: {exc}", file=sys.stderr)
+        return 2
+    print(describe(sheet))
     return 0
 
 
@@ -822,6 +844,26 @@ def main(argv: list[str] | None = None) -> int:
             )
             p.add_argument("--paper-dir", default=str(REPO / "results" / "paper"))
         p.set_defaults(func=func)
+
+    p = sub.add_parser(
+        "show",
+        help="a contact sheet of one sample (png): one row per method, the frames as the backbone received them, "
+        "the tokens that did not enter the LLM dimmed, merged groups coloured; from the records and the video alone",
+    )
+    p.add_argument(
+        "run_dir", help="a sweep folder (every cell holding the sample) or one lmms-eval run's output folder"
+    )
+    p.add_argument("--sample", type=int, required=True, metavar="DOC_ID", help="lmms-eval's doc id of the sample")
+    p.add_argument("--task", default=None, help="the task, where several tasks in the folder have that doc id")
+    p.add_argument("--methods", default=None, help="comma-separated methods, in row order (default: every one)")
+    p.add_argument("--out", default=None, help="the PNG (default: RUN_DIR/show/sample_<DOC_ID>.png)")
+    p.add_argument(
+        "--video-root",
+        default=None,
+        help="the folder holding the videos, for a folder copied from another machine (the records' paths are "
+        "matched by their longest tail under it)",
+    )
+    p.set_defaults(func=cmd_show)
 
     p = sub.add_parser("train", help="train the Allocator with CAPO (see resadapt_eval/train/config.py for the YAML)")
     p.add_argument("--config", required=True, help="training YAML")

@@ -110,22 +110,38 @@ def read_image(path: str | Path) -> np.ndarray:
 def decode_video(path: str | Path, max_num_frames: int) -> DecodedVideo:
     """`min(total, max_num_frames)` uniformly spaced frames of the video at `path`, frames (T, H, W, 3)
     uint8 as displayed (rotation applied): with decord, or with PyAV when decord cannot read the file."""
-    path = Path(path)
+    info = _probe(Path(path))
+    indices = uniform_frame_indices(info.total_frames, max_num_frames)
+    return DecodedVideo(
+        frames=_read(Path(path), indices, info), indices=indices, total_frames=info.total_frames, fps=info.fps
+    )
+
+
+def read_frames(path: str | Path, indices: list[int]) -> np.ndarray:
+    """The frames at `indices` (T, H, W, 3) uint8 of the video at `path`, as `decode_video` reads them."""
+    info = _probe(Path(path))
+    if indices and not 0 <= min(indices) <= max(indices) < info.total_frames:
+        raise VideoDecodeError(f"frame indices {min(indices)}-{max(indices)} outside the {info.total_frames} of {path}")
+    return _read(Path(path), list(indices), info)
+
+
+def _probe(path: Path) -> VideoInfo:
     if not path.is_file():
         raise VideoDecodeError(f"video not found: {path}")
     try:
-        info = probe_video(path)
+        return probe_video(path)
     except Exception as exc:
         raise VideoDecodeError(f"cannot decode video {path}: PyAV: {exc}") from exc
-    indices = uniform_frame_indices(info.total_frames, max_num_frames)
+
+
+def _read(path: Path, indices: list[int], info: VideoInfo) -> np.ndarray:
     try:
-        frames = _read_decord(path, indices, info)
+        return _read_decord(path, indices, info)
     except Exception as decord_exc:  # decord raises its own error types for files it cannot read
         try:
-            frames = _read_pyav(path, indices, info)
+            return _read_pyav(path, indices, info)
         except Exception as pyav_exc:
             raise VideoDecodeError(f"cannot decode video {path}: decord: {decord_exc}; PyAV: {pyav_exc}") from pyav_exc
-    return DecodedVideo(frames=frames, indices=indices, total_frames=info.total_frames, fps=info.fps)
 
 
 def _read_decord(path: Path, indices: list[int], info: VideoInfo) -> np.ndarray:

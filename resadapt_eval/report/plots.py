@@ -1,6 +1,7 @@
 """Figures from a sweep: Pareto frontiers (score vs achieved R, one line per method, per task and
 frame count), per-frame scale profiles of sample videos, the case-by-frame scale heatmap, and the
-per-video Gini of scales for correct vs incorrect answers. PNG and PDF."""
+per-video Gini of scales for correct vs incorrect answers, and where each token-reducing method keeps
+its tokens in the frame and in the video (`kept_maps.py`). PNG and PDF."""
 
 from __future__ import annotations
 
@@ -15,11 +16,14 @@ import numpy as np  # noqa: E402
 from ..methods import METHODS  # noqa: E402
 from ..train.trainer import gini  # noqa: E402
 from .collect import CellRun  # noqa: E402
+from .kept_maps import kept_plots  # noqa: E402
 
 
-def _save(fig, out: Path, stem: str) -> list[Path]:
+def _save(fig, out: Path, stem: str, tight: bool = True) -> list[Path]:
+    """`fig` as OUT/STEM.png and .pdf (laid out tightly, unless it lays itself out: `tight` False)."""
     paths = [out / f"{stem}.png", out / f"{stem}.pdf"]
-    fig.tight_layout()
+    if tight:
+        fig.tight_layout()
     for p in paths:
         fig.savefig(p, dpi=150)
     plt.close(fig)
@@ -162,4 +166,5 @@ def gini_by_outcome(runs: list[CellRun], out: Path) -> list[Path]:
 
 def write_plots(runs: list[CellRun], out: Path) -> list[Path]:
     out.mkdir(parents=True, exist_ok=True)
-    return pareto(runs, out) + scale_profiles(runs, out) + scale_heatmap(runs, out) + gini_by_outcome(runs, out)
+    written = pareto(runs, out) + scale_profiles(runs, out) + scale_heatmap(runs, out) + gini_by_outcome(runs, out)
+    return written + kept_plots(runs, out, _save)
