@@ -223,6 +223,14 @@ def cmd_tables(args) -> int:
     if bias:  # where the token-reducing methods keep their tokens, as a number
         write_bias(bias, out)
         print(bias_markdown(bias))
+    hard = hard_subset_rows(args, runs)
+    if hard is None:
+        return 2
+    if hard:
+        from .report.hard_subset import hard_markdown, write_hard
+
+        write_hard(hard, out)
+        print(hard_markdown(hard))
     print(f"tables (md, tex, csv): {out}")
     if args.paper:  # the paper's CAPO ablation has no (backbone, frames, R) to match: side by side
         from .report.collect import capo_ablation_markdown, capo_ablation_rows, write_capo_ablation
@@ -242,6 +250,19 @@ def cmd_tables(args) -> int:
     return 0
 
 
+def hard_subset_rows(args, runs) -> list[dict] | None:
+    """The `--hard-subset` rows of `tables` and `plots` ([] without the flag; None: a bad reference, said)."""
+    if args.hard_subset is None:
+        return []
+    from .report.hard_subset import Reference, hard_rows
+
+    try:
+        return hard_rows(runs, Reference.parse(args.hard_subset))
+    except ValueError as exc:
+        print(f"resadapt-eval {args.command}: {exc}", file=sys.stderr)
+        return None
+
+
 def cmd_plots(args) -> int:
     from .report.collect import missing_cells
     from .report.plots import write_plots
@@ -256,7 +277,15 @@ def cmd_plots(args) -> int:
     if runs is None:
         return 1
     out = Path(args.out) if args.out else Path(args.run_dir[0]) / "plots"
+    hard = hard_subset_rows(args, runs)
+    if hard is None:
+        return 2
     written = write_plots(runs, out)
+    if hard:
+        from .report.hard_subset import hard_plots
+        from .report.plots import _save
+
+        written += hard_plots(hard, out, _save)
     print(f"{len(written)} files (png, pdf): {out}")
     return 0
 
@@ -275,6 +304,15 @@ def cmd_show(args) -> int:
         return 2
     print(describe(sheet))
     return 0
+
+
+def demo_sheet(out: Path) -> None:
+    """The contact sheet of the sample ResAdapt answered right with its most uneven scales (OUT/show/)."""
+    from .report.show import contact_sheet, describe, sample_rows, uneven_sample
+
+    doc = uneven_sample(out)
+    if doc is not None:
+        print(describe(contact_sheet(sample_rows(out, doc), out / "show" / f"sample_{doc}.png")))
 
 
 def cmd_demo(args) -> int:
@@ -302,16 +340,22 @@ def cmd_demo(args) -> int:
             return card_status
         status = max(status, card_status)
         common = argparse.Namespace(
-            command="demo", run_dir=[str(out)], out=None, paper=False, paper_dir=str(root / "results" / "paper")
+            command="demo",
+            run_dir=[str(out)],
+            out=None,
+            paper=False,
+            paper_dir=str(root / "results" / "paper"),
+            hard_subset="fixed_scale",
         )
         cmd_tables(common)
         cmd_plots(common)
+        demo_sheet(out)
         cmd_needle_report(argparse.Namespace(run_dir=[str(out)], data=str(data), out=None))
     print(
         f"Needle benchmark on the first {args.limit} cued test videos, cards {args.cards} "
         "(full benchmark: README, 'The needle benchmark')."
     )
-    outputs = "cells with lmms-eval results and sidecars, tables/, plots/, needle/"
+    outputs = "cells with lmms-eval results and sidecars, tables/, plots/, needle/, show/"
     print(f"Outputs: {Path(args.out).resolve()}/<card> ({outputs})")
     return status
 
@@ -835,6 +879,15 @@ def main(argv: list[str] | None = None) -> int:
         p = sub.add_parser(name, help=help_text)
         p.add_argument("run_dir", nargs="+", help="sweep folder(s): a sweep run in parts, read as one")
         p.add_argument("--out", default=None, help=f"output folder (default: the first RUN_DIR/{name})")
+        p.add_argument(
+            "--hard-subset",
+            nargs="?",
+            const="fixed_scale",
+            default=None,
+            metavar="METHOD[@R]",
+            help="add each cell's score on the samples METHOD answered wrongly, at R or (no @R) at each cell's own R "
+            "(the flag alone: fixed_scale at each cell's R, VTC-Bench's downsampling reference)",
+        )
         if name == "tables":
             p.add_argument(
                 "--paper",

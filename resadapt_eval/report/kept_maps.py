@@ -6,9 +6,10 @@ last stage held. Positions are normalised, so frames of every size share one gri
 cells of the frame: a cell's share is the kept share of the frame area it covers (token by token, by
 overlap), averaged over every frame pair of every sample. A pair p of P lies at (p + 0.5) / P of the
 video, in `FRAME_BINS` bins, whose share is their kept tokens over their tokens. The top third of the
-frame is the token rows r of h at (r + 0.5) / h < 1/3, the bottom third > 2/3; their shares' ratio
-is the positional bias as a number (1: none; attention-based pruners' recency bias keeps the
-bottom, ratio < 1).
+frame is the token rows r of h at (r + 0.5) / h < 1/3, the bottom third > 2/3: the top-third share is
+the kept tokens lying there over all kept tokens (about 1/3 without a positional bias), and the top
+over the bottom share is the bias as a number (1: none; attention-based pruners' recency bias keeps
+the bottom, ratio < 1).
 """
 
 from __future__ import annotations
@@ -30,21 +31,20 @@ FRAME_BINS = 10
 @dataclass
 class KeptMap:
     """The summed kept share per normalised (row, column) cell (BINS, BINS) and the frame pairs summed
-    (`total`); kept and total tokens per video position (FRAME_BINS,) and in the frame's top and bottom
-    thirds; over a cell's samples."""
+    (`total`); kept and total tokens per video position (FRAME_BINS,); kept tokens in the frame's top
+    and bottom thirds; over a cell's samples."""
 
     kept: np.ndarray
     total: np.ndarray
     frame_kept: np.ndarray
     frame_total: np.ndarray
     thirds_kept: np.ndarray  # (top, bottom)
-    thirds_total: np.ndarray
     samples: int = 0
 
     @classmethod
     def empty(cls) -> KeptMap:
         zeros = np.zeros((BINS, BINS))
-        return cls(zeros, zeros.copy(), np.zeros(FRAME_BINS), np.zeros(FRAME_BINS), np.zeros(2), np.zeros(2))
+        return cls(zeros, zeros.copy(), np.zeros(FRAME_BINS), np.zeros(FRAME_BINS), np.zeros(2))
 
     @property
     def share(self) -> np.ndarray:
@@ -59,11 +59,15 @@ class KeptMap:
 
     @property
     def top_share(self) -> float:
-        return float(self.thirds_kept[0] / self.thirds_total[0]) if self.thirds_total[0] else float("nan")
+        """The kept tokens in the frame's top third over all kept tokens."""
+        kept = self.frame_kept.sum()
+        return float(self.thirds_kept[0] / kept) if kept else float("nan")
 
     @property
     def bottom_share(self) -> float:
-        return float(self.thirds_kept[1] / self.thirds_total[1]) if self.thirds_total[1] else float("nan")
+        """The kept tokens in the frame's bottom third over all kept tokens."""
+        kept = self.frame_kept.sum()
+        return float(self.thirds_kept[1] / kept) if kept else float("nan")
 
     @property
     def top_bottom_ratio(self) -> float:
@@ -91,7 +95,6 @@ class KeptMap:
             position = (np.arange(h) + 0.5) / h
             for third, rows_in in enumerate((position < 1 / 3, position > 2 / 3)):
                 self.thirds_kept[third] += mask[rows_in].sum()
-                self.thirds_total[third] += t * w * rows_in.sum()
         self.samples += 1
 
 
@@ -145,9 +148,10 @@ def bias_rows(runs: list[CellRun]) -> list[dict]:
 
 def bias_markdown(rows: list[dict]) -> str:
     lines = [
-        "Kept tokens by position in the frame (top third vs bottom third; 1: no positional bias)",
+        "Where the kept tokens lie in the frame (shares of the kept tokens; about 1/3 each and a ratio of 1: no "
+        "positional bias)",
         "",
-        "| card | frames | method | R | samples | top-third kept | bottom-third kept | top / bottom |",
+        "| card | frames | method | R | samples | kept in the top third | kept in the bottom third | top / bottom |",
         "|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:

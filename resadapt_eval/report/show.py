@@ -292,3 +292,20 @@ def describe(sheet: Sheet) -> str:
     lines = [f"{sheet.path} ({sheet.size[0]}x{sheet.size[1]} px)"]
     lines += [f"  {label}: dropped tokens per frame {dropped}" for label, dropped in zip(sheet.labels, sheet.dropped)]
     return "\n".join(lines)
+
+
+def uneven_sample(run_dir: str | Path, method: str = "resadapt") -> int | None:
+    """The doc id `method` answered right with its most uneven scales (largest max / min) in a sweep
+    folder, or answered at all where it answered none right: a sample whose sheet shows where it spent
+    its tokens (None: no such cell, or no sample succeeded)."""
+    for cell in collect(run_dir):
+        if cell.method != method:
+            continue
+        right = {doc for (_, doc), score in cell.outcomes.items() if score > 0}
+        scored = [
+            (r["doc_id"] in right, max(r["scales"]) / min(r["scales"]), r["doc_id"])
+            for r in cell.records
+            if r.get("error") is None and r.get("scales") and min(r["scales"]) > 0
+        ]
+        return max(scored)[2] if scored else None
+    return None
