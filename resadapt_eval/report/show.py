@@ -26,7 +26,7 @@ from ..video import read_frames
 from .collect import collect, read_jsonl
 
 DIM = 0.25  # a dropped token's brightness
-TINT = 0.45  # a merged member's share of its group's colour
+TINT = 0.3  # a merged member's share of its group's colour
 GAP = 8  # px between frames
 
 
