@@ -354,5 +354,8 @@ def test_demo_runs_end_to_end_on_two_videos(tmp_path):
         assert all(line.endswith("| 2 |") for line in summary[2:])
         assert (out / card / "needle" / "needle_accuracy_tflops.png").is_file()
         assert any((out / card / "tables").iterdir())
+        (sheet,) = (out / card / "show").glob("sample_*.png")  # the contact sheet of one of ResAdapt's samples
+        assert sheet.stat().st_size > 10_000
+        assert "Accuracy on the hard subset" in (out / card / "tables" / "hard_subset.md").read_text()
         cell = json.loads((out / card / "resadapt-r0.25-f16" / "cell.json").read_text())
         assert cell["backbone"] == card.split("-")[1] and cell["samples"] == 2

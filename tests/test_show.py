@@ -19,7 +19,8 @@ from resadapt_eval.methods import METHODS, REQUIRED_RETENTION, Method, register
 from resadapt_eval.pipeline import VideoPipeline, VideoPipelineConfig
 from resadapt_eval.report.collect import CellRun
 from resadapt_eval.report.hard_subset import Reference, hard_rows
-from resadapt_eval.report.kept_maps import kept_map
+from resadapt_eval.report.kept_maps import kept_map, kept_plots
+from resadapt_eval.report.plots import _save
 from resadapt_eval.report.show import DIM, contact_sheet, draw_tokens, frames_of, sample_rows
 
 from .helpers import video_request
@@ -118,6 +119,13 @@ def test_show_on_a_sweep_folder_and_its_errors(report_sweep, tmp_path, capsys):
     assert main(["show", str(report_sweep), "--sample", "1", "--methods", "resadapt", "--out", str(out)]) == 0
     assert printed.count("resadapt R=") == 2
 
+    tables = tmp_path / "tables"
+    assert main(["tables", str(report_sweep), "--hard-subset", "fixed_scale@0.25", "--out", str(tables)]) == 0
+    hard = (tables / "hard_subset.csv").read_text().splitlines()
+    assert len(hard) == 1 + 5 and "Accuracy on the hard subset" in capsys.readouterr().out  # a row per cell
+    assert main(["tables", str(report_sweep), "--hard-subset", "tome@0.25", "--out", str(tables)]) == 2
+    assert "no cell of tome@0.25 in the folders" in capsys.readouterr().err
+
     assert main(["show", str(report_sweep), "--sample", "99", "--out", str(out)]) == 2
     assert "no record of doc id 99; the folder holds doc ids 0, 1, 2, 3" in capsys.readouterr().err
     (tmp_path / "empty").mkdir()
@@ -152,6 +160,11 @@ def test_a_compressor_keeping_the_top_rows_shows_in_the_maps_and_the_bias(
     assert 0.15 < random.top_share < 0.5 and 0.3 < random.top_bottom_ratio < 3
     rows, cols = np.nonzero(top.share > 0.5)
     assert rows.max() < 6 and cols.min() == 0  # the kept area: the top rows, every column
+    cells = [CellRun("c", "qwen3vl", None, m, r, 8, tmp_path, records=[rec]) for (m, r), rec in zip(shown, records)]
+    written = kept_plots(cells, tmp_path / "plots", _save)
+    assert sorted(p.name for p in written) == sorted(
+        f"kept_{kind}_c_f8.{ext}" for kind in ("map", "frames") for ext in ("png", "pdf")
+    )
 
 
 def test_the_hard_subset_is_the_references_wrong_answers():

@@ -12,7 +12,14 @@ from resadapt_eval.budget.policies import BudgetSpec  # noqa: E402
 from resadapt_eval.methods import METHODS, get_method, vllm_compressors  # noqa: E402
 from resadapt_eval.pipeline import Request, VideoPipeline, VideoPipelineConfig  # noqa: E402
 
-from .helpers import REPO, chat_prompt, lmms_eval_command, sidecar_records, synthetic_video  # noqa: E402
+from .helpers import (  # noqa: E402
+    REPO,
+    chat_prompt,
+    check_kept,
+    lmms_eval_command,
+    sidecar_records,
+    synthetic_video,
+)
 
 KV_CACHE_BYTES = 64 << 20
 TABLE = {
@@ -111,8 +118,8 @@ def jobs(engine, videos, new=2):
 def test_every_compressor_answers_a_chunk_with_the_hf_paths_record(compressing, adapters, fixtures_dir, family):
     """The pipeline's batched path at R=0.1 (one vLLM call per chunk, several requests in flight): each record
     holds what the HF path's record of the same sample holds (visual tokens within 0.01 below R, group sizes,
-    the compressor's counted FLOPs), and the compressor's seconds from the engine's log; a method that does not
-    compress is refused on this engine."""
+    the compressor's counted FLOPs, the kept and merged tokens), and the compressor's seconds from the engine's
+    log; a method that does not compress is refused on this engine."""
     engine, retention = compressing[family], 0.1
     videos = sorted((fixtures_dir / "smoke_videoqa" / "videos").glob("*.mp4"))[:2]
     for name in sorted(vllm_compressors()):
@@ -125,6 +132,8 @@ def test_every_compressor_answers_a_chunk_with_the_hf_paths_record(compressing, 
             assert record.visual_tokens == hf.visual_tokens and record.merged_sizes == hf.merged_sizes, name
             assert record.method_flops == hf.method_flops and record.query_tokens == hf.query_tokens, name
             assert record.compress_s > 0 and record.compress_s_reason is None and record.first_token_s > 0
+            assert record.kept == hf.kept, name  # the same tokens kept and merged, as the HF path's record says
+            check_kept(record.to_dict())
     with pytest.raises(ValueError, match="method=fixed_scale does not compress, but this vLLM engine was started"):
         VideoPipeline(engine, VideoPipelineConfig(method="fixed_scale", budget=BudgetSpec(retention=0.25)))
 
@@ -174,6 +183,7 @@ def test_lmms_eval_cli_runs_a_compressor_on_the_vllm_class_in_chunks(fixtures_di
         assert r["error"] is None and r["method"] == "visionzip"
         assert retention - 0.01 <= r["achieved_retention"] <= retention
         assert len(r["merged_sizes"]) == r["visual_tokens"] and r["compress_s"] > 0
+        check_kept(r)
 
 
 def test_vllms_own_vidcom2_ranks_as_our_port_and_differs_only_in_the_per_pair_counts():

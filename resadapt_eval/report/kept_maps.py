@@ -181,6 +181,7 @@ def kept_plots(runs: list[CellRun], out: Path, save) -> list[Path]:
     import matplotlib.pyplot as plt
 
     written = []
+    out.mkdir(parents=True, exist_ok=True)
     for (card, frames), cells in groups_of(runs).items():
         methods = list(dict.fromkeys(run.method for run in cells))
         retentions = sorted({run.retention for run in cells}, key=lambda r: -(r if r is not None else 2.0))
