@@ -1,5 +1,6 @@
 """Token compressors inside vLLM against the HF path (runs in the vLLM environment: `make test-vllm`)."""
 
+import numpy as np
 import pytest
 import torch
 
@@ -9,6 +10,7 @@ from resadapt_eval.backbones.vllm_engine import VLLMBackbone  # noqa: E402
 from resadapt_eval.baselines import kept_count  # noqa: E402
 from resadapt_eval.budget.plan import plan_from_scales  # noqa: E402
 from resadapt_eval.budget.policies import BudgetSpec  # noqa: E402
+from resadapt_eval.kept import read_kept  # noqa: E402
 from resadapt_eval.methods import METHODS, get_method, vllm_compressors  # noqa: E402
 from resadapt_eval.pipeline import Request, VideoPipeline, VideoPipelineConfig  # noqa: E402
 
@@ -101,6 +103,13 @@ def test_each_compressor_keeps_the_hf_paths_tokens_positions_and_first_token(com
         assert logprob.logprob == pytest.approx(hf_logprobs[token].item(), abs=1e-4)
 
 
+# VisPruner's picks on the smoke videos' flat colour regions sit on near-ties: a relative perturbation
+# of 1e-6 of its features and attention changes 10-26 of its kept tokens on the HF path itself
+# (measured), so the engines' float differences may flip them there; its kept indices are equal on
+# the textured video of test_each_compressor_keeps_the_hf_paths_tokens_positions_and_first_token
+NEAR_TIES = {"vispruner"}
+
+
 def jobs(engine, videos, new=2):
     question = "What colour is the square?"
     prompt = engine.processor.apply_chat_template(
@@ -132,8 +141,12 @@ def test_every_compressor_answers_a_chunk_with_the_hf_paths_record(compressing, 
             assert record.visual_tokens == hf.visual_tokens and record.merged_sizes == hf.merged_sizes, name
             assert record.method_flops == hf.method_flops and record.query_tokens == hf.query_tokens, name
             assert record.compress_s > 0 and record.compress_s_reason is None and record.first_token_s > 0
-            assert record.kept == hf.kept, name  # the same tokens kept and merged, as the HF path's record says
             check_kept(record.to_dict())
+            served_kept, hf_kept = (read_kept(r.to_dict()) for r in (record, hf))
+            starts = np.cumsum([0] + [t * h * w for t, h, w in record.grids])[:-1]
+            assert (np.add.reduceat(served_kept.mask, starts) == np.add.reduceat(hf_kept.mask, starts)).all(), name
+            if name not in NEAR_TIES:  # the same tokens kept and merged, as the HF path's record says
+                assert record.kept == hf.kept, name
     with pytest.raises(ValueError, match="method=fixed_scale does not compress, but this vLLM engine was started"):
         VideoPipeline(engine, VideoPipelineConfig(method="fixed_scale", budget=BudgetSpec(retention=0.25)))
 
