@@ -211,14 +211,15 @@ def kept_plots(runs: list[CellRun], out: Path, save) -> list[Path]:
         fig.suptitle(f"{card}, {frames} frames: kept tokens by position in the frame", fontsize=9)
         written += save(fig, out, f"kept_map_{card}_f{frames}", tight=False)
 
-        fig, axes = plt.subplots(1, len(retentions), figsize=(3.6 * len(retentions), 2.8), squeeze=False)
+        fig, axes = plt.subplots(1, len(retentions), figsize=(max(6.0, 3.6 * len(retentions)), 2.8), squeeze=False)
         positions = (np.arange(FRAME_BINS) + 0.5) / FRAME_BINS
         for j, r in enumerate(retentions):
             ax = axes[0][j]
             for method in methods:
                 found = maps.get((method, r))
-                if found is not None:
-                    ax.plot(positions, found.frame_share, marker=".", label=method)
+                if found is not None:  # bins no pair fell in (videos of fewer pairs than bins) left out
+                    held = found.frame_total > 0
+                    ax.plot(positions[held], found.frame_share[held], marker=".", label=method)
             ax.set_title(f"R={r}", fontsize=8)
             ax.set_xlabel("position in the video")
             ax.set_ylim(0, 1.05)
