@@ -208,6 +208,9 @@ def cmd_tables(args) -> int:
         if missing:
             print(missing_markdown(missing))
         return 1
+    hard = hard_subset_rows(args, runs)  # a reference not among the cells stops before anything is written
+    if hard is None:
+        return 2
     paper_dir = Path(args.paper_dir) if args.paper else None
     tables = build_tables(runs, paper_dir, missing)
     out = Path(args.out) if args.out else Path(args.run_dir[0]) / "tables"
@@ -223,9 +226,6 @@ def cmd_tables(args) -> int:
     if bias:  # where the token-reducing methods keep their tokens, as a number
         write_bias(bias, out)
         print(bias_markdown(bias))
-    hard = hard_subset_rows(args, runs)
-    if hard is None:
-        return 2
     if hard:
         from .report.hard_subset import hard_markdown, write_hard
 

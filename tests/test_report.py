@@ -2,6 +2,7 @@
 
 import csv
 import json
+import shutil
 import subprocess
 import sys
 import time
@@ -14,7 +15,7 @@ from resadapt_eval.report.plots import pareto_lines, write_plots
 from resadapt_eval.report.tables import build_tables, to_latex, to_markdown
 from resadapt_eval.sweep import load_card, plan_cells, sweep_configs
 
-from .helpers import REPO, sweep_cmd
+from .helpers import REPO, REPORT_GRID, sweep_cmd
 
 CARD = REPO / "model_cards" / "tiny-qwen25vl.yaml"
 
@@ -199,16 +200,17 @@ def refused_in_process(capsys, cmd: list[str]) -> subprocess.CompletedProcess:
     return subprocess.CompletedProcess(cmd, code, printed.out, printed.err)
 
 
-def test_a_changed_limit_does_not_reuse_finished_cells(fixtures_dir, tmp_path, capsys):
-    first = subprocess.run(sweep_cmd(tmp_path, "vanilla", limit=1), cwd=REPO, capture_output=True, text=True)
-    assert first.returncode == 0, first.stdout[-2000:] + first.stderr[-2000:]
+def test_a_changed_limit_does_not_reuse_finished_cells(report_sweep, tmp_path, capsys):
+    shutil.copytree(report_sweep / "vanilla-f8", tmp_path / "vanilla-f8")  # a finished cell of limit 4
     cell = tmp_path / "vanilla-f8" / "cell.json"
-    assert json.loads(cell.read_text())["samples"] == 1
+    assert json.loads(cell.read_text())["samples"] == REPORT_GRID["limit"] == 4
+    same = refused_in_process(capsys, sweep_cmd(tmp_path, "vanilla", limit=4))  # runs nothing: all done
+    assert same.returncode == 0 and "1 already done, 0 to run" in same.stdout, same.stdout + same.stderr
 
     changed = refused_in_process(capsys, sweep_cmd(tmp_path, "vanilla", limit=2))
     assert changed.returncode == 2
-    assert "vanilla-f8 changed: limit: 1 -> 2" in changed.stderr and "--rerun-changed" in changed.stderr
-    assert json.loads(cell.read_text())["samples"] == 1  # untouched
+    assert "vanilla-f8 changed: limit: 4 -> 2" in changed.stderr and "--rerun-changed" in changed.stderr
+    assert json.loads(cell.read_text())["samples"] == 4  # untouched
 
     rerun = subprocess.run(
         sweep_cmd(tmp_path, "vanilla", limit=2) + ["--rerun-changed"], cwd=REPO, capture_output=True, text=True
