@@ -89,6 +89,10 @@ class DecodePruner:
         """Seconds its decoding steps' ranking and selection took so far."""
         return self.work.seconds()
 
+    def held_stages(self) -> None:
+        """None: its tokens change at every decoding step; no prefill stage holds fewer."""
+        return None
+
     def generate_kwargs(self) -> dict:
         """What `generate` takes from this pruner: its cache."""
         return dict(past_key_values=self.cache)

@@ -376,7 +376,7 @@ class QwenVideoAdapter:
                     layer_visual_tokens=pruner.layer_tokens if pruner is not None else None,
                     method_flops=pruner.flops if pruner is not None else 0,
                     decode_keys_dropped=getattr(pruner, "keys_dropped", 0),
-                    held_stages=pruner.held_stages() if hasattr(pruner, "held_stages") else None,
+                    held_stages=pruner.held_stages() if pruner is not None else None,
                 )
             )
         return outputs

@@ -331,12 +331,20 @@ def capo_ablation_markdown(rows: list[dict]) -> str:
 
 def write_capo_ablation(rows: list[dict], out: Path) -> list[Path]:
     """`capo_dist_ablation.md` and `.csv` (full precision, R as a fraction) in `out`."""
+    fields = ["source", "variant", "card", "frames", "target", "R", "mean_scale", *CAPO_ABLATION_COLUMNS]
+    return write_markdown_and_csv(out, CAPO_ABLATION, capo_ablation_markdown(rows), rows, fields)
+
+
+def write_markdown_and_csv(
+    out: Path, stem: str, markdown: str, rows: list[dict], fields: list[str] | None = None
+) -> list[Path]:
+    """OUT/STEM.md holding `markdown` and OUT/STEM.csv holding `rows` (columns `fields`, default the
+    first row's keys, at full precision)."""
     out.mkdir(parents=True, exist_ok=True)
-    md, table = out / f"{CAPO_ABLATION}.md", out / f"{CAPO_ABLATION}.csv"
-    md.write_text(capo_ablation_markdown(rows))
+    md, table = out / f"{stem}.md", out / f"{stem}.csv"
+    md.write_text(markdown)
     with open(table, "w", newline="") as f:
-        fields = ["source", "variant", "card", "frames", "target", "R", "mean_scale", *CAPO_ABLATION_COLUMNS]
-        writer = csv.DictWriter(f, fieldnames=fields)
+        writer = csv.DictWriter(f, fieldnames=fields or list(rows[0]))
         writer.writeheader()
         writer.writerows(rows)
     return [md, table]

@@ -10,12 +10,10 @@ score is its mean per-sample score over the subset's samples it logged, in perce
 
 from __future__ import annotations
 
-import csv
-import io
 from dataclasses import dataclass
 from pathlib import Path
 
-from .collect import CellRun
+from .collect import CellRun, write_markdown_and_csv
 
 
 @dataclass(frozen=True)
@@ -106,16 +104,8 @@ def hard_markdown(rows: list[dict]) -> str:
 
 
 def write_hard(rows: list[dict], out: Path) -> list[Path]:
-    out.mkdir(parents=True, exist_ok=True)
-    md = out / "hard_subset.md"
-    md.write_text(hard_markdown(rows) + "\n")
-    buffer = io.StringIO()
-    writer = csv.DictWriter(buffer, fieldnames=list(rows[0]))
-    writer.writeheader()
-    writer.writerows(rows)
-    path = out / "hard_subset.csv"
-    path.write_text(buffer.getvalue())
-    return [md, path]
+    """`hard_subset.md` and `.csv` in `out`."""
+    return write_markdown_and_csv(out, "hard_subset", hard_markdown(rows) + "\n", rows)
 
 
 def hard_plots(rows: list[dict], out: Path, save) -> list[Path]:

@@ -14,15 +14,13 @@ the bottom, ratio < 1).
 
 from __future__ import annotations
 
-import csv
-import io
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
 from ..kept import read_kept
-from .collect import CellRun
+from .collect import CellRun, write_markdown_and_csv
 
 BINS = 12
 FRAME_BINS = 10
@@ -107,30 +105,22 @@ def kept_map(run: CellRun) -> KeptMap:
     return found
 
 
-def reduces_tokens(run: CellRun) -> bool:
-    """Some successful record of the cell kept fewer tokens than it planned (a map worth drawing)."""
-    for record in run.records:
-        kept = None if record.get("error") else read_kept(record)
-        if kept is not None and (not kept.mask.all() or kept.stages):
-            return True
-    return False
-
-
-def groups_of(runs: list[CellRun]) -> dict[tuple[str, int], list[CellRun]]:
-    """The token-reducing cells by (card, frames), in their order."""
-    out: dict[tuple[str, int], list[CellRun]] = {}
+def maps_by_group(runs: list[CellRun]) -> dict[tuple[str, int], list[tuple[CellRun, KeptMap]]]:
+    """The token-reducing cells (some sample kept fewer tokens than it planned: a map worth drawing) with
+    their maps, by (card, frames), in their order."""
+    out: dict[tuple[str, int], list[tuple[CellRun, KeptMap]]] = {}
     for run in runs:
-        if reduces_tokens(run):
-            out.setdefault((run.card, run.frames), []).append(run)
+        found = kept_map(run)
+        if found.frame_kept.sum() < found.frame_total.sum():
+            out.setdefault((run.card, run.frames), []).append((run, found))
     return out
 
 
 def bias_rows(runs: list[CellRun]) -> list[dict]:
     """Per token-reducing cell: its kept share in the frame's top and bottom thirds and their ratio."""
     rows = []
-    for (card, frames), cells in groups_of(runs).items():
-        for run in cells:
-            found = kept_map(run)
+    for (card, frames), cells in maps_by_group(runs).items():
+        for run, found in cells:
             rows.append(
                 dict(
                     card=card,
@@ -163,16 +153,8 @@ def bias_markdown(rows: list[dict]) -> str:
 
 
 def write_bias(rows: list[dict], out: Path) -> list[Path]:
-    out.mkdir(parents=True, exist_ok=True)
-    md = out / "kept_position.md"
-    md.write_text(bias_markdown(rows) + "\n")
-    buffer = io.StringIO()
-    writer = csv.DictWriter(buffer, fieldnames=list(rows[0]) if rows else ["card"])
-    writer.writeheader()
-    writer.writerows(rows)
-    path = out / "kept_position.csv"
-    path.write_text(buffer.getvalue())
-    return [md, path]
+    """`kept_position.md` and `.csv` in `out`."""
+    return write_markdown_and_csv(out, "kept_position", bias_markdown(rows) + "\n", rows)
 
 
 def kept_plots(runs: list[CellRun], out: Path, save) -> list[Path]:
@@ -182,10 +164,10 @@ def kept_plots(runs: list[CellRun], out: Path, save) -> list[Path]:
 
     written = []
     out.mkdir(parents=True, exist_ok=True)
-    for (card, frames), cells in groups_of(runs).items():
-        methods = list(dict.fromkeys(run.method for run in cells))
-        retentions = sorted({run.retention for run in cells}, key=lambda r: -(r if r is not None else 2.0))
-        maps = {(run.method, run.retention): kept_map(run) for run in cells}
+    for (card, frames), cells in maps_by_group(runs).items():
+        methods = list(dict.fromkeys(run.method for run, _ in cells))
+        retentions = sorted({run.retention for run, _ in cells}, key=lambda r: -(r if r is not None else 2.0))
+        maps = {(run.method, run.retention): found for run, found in cells}
         fig, axes = plt.subplots(
             len(methods),
             len(retentions),

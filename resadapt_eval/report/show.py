@@ -155,17 +155,17 @@ def frames_of(record: dict, video_root: str | Path | None = None) -> list[Frame]
     images = read_frames(find_video(record["video"], video_root), record["frame_indices"])
     grids, sizes = record["grids"], record["pair_sizes"]
     starts = np.concatenate([[0], np.cumsum([t * h * w for t, h, w in grids])])
+    mask = kept.mask
     scales = record.get("scales") or []
     plans_scales = any(abs(s - 1.0) > 1e-6 for s in scales)  # a resize policy's scales (vanilla's are all 1)
     frames = []
     for i, image in enumerate(images):
         pair = min(i * len(grids) // len(images), len(grids) - 1)
         _, gh, gw = grids[pair]
-        assignment = kept.assignment[starts[pair] : starts[pair + 1]]
-        own = assignment == np.arange(starts[pair], starts[pair + 1])
-        drawn = draw_tokens(image, sizes[pair], (gh, gw), assignment, int(starts[pair]))
+        tokens = slice(starts[pair], starts[pair + 1])
+        drawn = draw_tokens(image, sizes[pair], (gh, gw), kept.assignment[tokens], int(starts[pair]))
         scale = scales[i] if plans_scales and i < len(scales) else None
-        frames.append(Frame(drawn, scale, ~own.reshape(gh, gw)))
+        frames.append(Frame(drawn, scale, ~mask[tokens].reshape(gh, gw)))
     return frames
 
 
