@@ -605,6 +605,15 @@ class Compressor(InModel):
         return super().own_flops(method, dims, grids, retention, None) + formula(pair_sizes, keep, dims.vision)
 
 
+class EngineCompressor(Compressor):
+    """A compressor whose selection is the serving engine's own code (vLLM's VidCom2,
+    `baselines/vidcom2_engine.py`), run inside our compressing vLLM engine as every compressor runs there: the
+    same prompt count, positions and records. The HF classes do not offer it: its code ships with vLLM."""
+
+    name = "engine's own compressor"
+    hf, vllm, images = False, True, False
+
+
 class CompressorThenPruner(Compressor):
     """A compressor followed by the method's own stage inside the LLM (on the tokens that entered):
     the compressor keeps the most tokens whose layer average over both stages stays within R
@@ -871,6 +880,7 @@ def check_tower(spec, dims: BackboneDims, acts: str) -> None:
 
 RESIZE_POLICY = ResizePolicy()
 COMPRESSOR = Compressor()
+ENGINE_COMPRESSOR = EngineCompressor()
 IN_LLM_PRUNER = InLLMPruner()
 ADAPTIVE_IN_LLM_PRUNER = AdaptiveInLLMPruner()
 COMPRESSOR_THEN_PRUNER = CompressorThenPruner()
@@ -882,6 +892,7 @@ FRAME_SELECTION = FrameSelection()
 KINDS = (
     RESIZE_POLICY,
     COMPRESSOR,
+    ENGINE_COMPRESSOR,
     IN_LLM_PRUNER,
     ADAPTIVE_IN_LLM_PRUNER,
     COMPRESSOR_THEN_PRUNER,

@@ -42,6 +42,7 @@ from .baselines import (
     tome,
     vcast,
     vidcom2,
+    vidcom2_engine,
     visionzip,
     vispruner,
 )
@@ -57,6 +58,7 @@ from .kinds import (
     COMPRESSOR,
     COMPRESSOR_THEN_PRUNER,
     DECODE_PRUNER,
+    ENGINE_COMPRESSOR,
     ENGINE_PRUNER,
     IN_ENGINE,
     IN_LLM_PRUNER,
@@ -318,6 +320,16 @@ register(
     )
 )
 register(Method("evs", "EVS", "EVS", ENGINE_PRUNER, REQUIRED_RETENTION, engine_pruning="evs"))
+register(
+    Method(
+        "vidcom2_engine",
+        "VidCom2 (vLLM)",
+        "VidCom2Engine",
+        ENGINE_COMPRESSOR,
+        REQUIRED_RETENTION,
+        compressor=vidcom2_engine.COMPRESSOR,
+    )
+)
 register(Method("illava", "iLLaVA", "ILLaVA", IN_TOWER_MERGER, REQUIRED_RETENTION, tower_merge=illava.MERGING))
 register(
     Method(

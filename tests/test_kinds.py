@@ -98,7 +98,7 @@ def test_only_the_engine_side_pruner_sets_the_engines_pruning():
     for spec in others:
         table = {spec.method.name: spec.method.compressor.location} if spec.method.vllm_compressor else None
         assert spec.kind.engine_args(spec) == ({} if table is None else dict(token_compression=table))
-    assert sum(spec.method.vllm_compressor for spec in others) == 14
+    assert sum(spec.method.vllm_compressor for spec in others) == 15  # 14 compressors and vLLM's own VidCom2
 
 
 def test_the_config_only_table_refuses_what_a_run_refuses():
@@ -141,7 +141,7 @@ def test_a_runs_record_and_the_config_only_row_count_the_same_tokens(adapters, f
         assert record.achieved_retention == budget.achieved_retention, name
         checked.append(method.kind)
     # every kind the HF path runs on this backbone
-    assert set(checked) == {kind for kind in KINDS if backbone in kind.families} - {FRAME_SELECTION, ENGINE_PRUNER}
+    assert set(checked) == {kind for kind in KINDS if backbone in kind.families and kind.hf} - {FRAME_SELECTION}
 
 
 def test_an_engine_that_prunes_other_layers_than_the_budget_fails_the_sample(adapters, fixtures_dir, monkeypatch):

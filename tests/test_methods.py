@@ -122,9 +122,9 @@ def test_paper_order_and_properties_come_from_the_registry():
     assert [m for m, spec in METHODS.items() if spec.in_paper] == paper  # the demo's default set
     compressors = [m for m, spec in METHODS.items() if spec.kind.name == "vision-side compressor"]
     assert len(compressors) == 14
-    vllm = {"vanilla", "evs", "fixed_scale", "resadapt", *compressors}
+    vllm = {"vanilla", "evs", "vidcom2_engine", "fixed_scale", "resadapt", *compressors}
     assert {m for m, spec in METHODS.items() if spec.vllm} == vllm
-    assert [m for m, spec in METHODS.items() if not spec.hf] == ["evs"]  # vLLM's own pruning
+    assert [m for m, spec in METHODS.items() if not spec.hf] == ["evs", "vidcom2_engine"]  # vLLM's own code
     assert plan_cells(["vanilla", "tome"], [0.5, 0.25], [8])[0].retention is None  # vanilla once, no target
     assert len(plan_cells(["vanilla", "tome"], [0.5, 0.25], [8])) == 3
 

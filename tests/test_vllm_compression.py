@@ -1,5 +1,7 @@
 """Token compressors inside vLLM against the HF path (runs in the vLLM environment: `make test-vllm`)."""
 
+import itertools
+
 import numpy as np
 import pytest
 import torch
@@ -164,21 +166,21 @@ def test_what_vllm_cannot_run_stops_at_start_naming_it(fixtures_dir):
         VLLMBackbone("qwen25vl", str(fixtures_dir / "qwen25vl"), 8, tensor_parallel_size=2, token_compression=TABLE)
 
 
-@pytest.mark.parametrize(
-    "family,retention",
-    [
-        ("qwen3vl", 0.1),  # make test-vllm runs one; the logic is the batched test's above, in process
-        pytest.param("qwen25vl", 0.1, marks=pytest.mark.slow),
-        pytest.param("qwen25vl", 0.25, marks=pytest.mark.slow),
-        pytest.param("qwen3vl", 0.25, marks=pytest.mark.slow),
-    ],
-)
-def test_lmms_eval_cli_runs_a_compressor_on_the_vllm_class_in_chunks(fixtures_dir, tmp_path, family, retention):
+def cli_cases():
+    """Every compressor on both vLLM classes at R=0.25 and 0.1 (`make test-vllm-cli-matrix`); `make test-vllm`
+    runs one, VisionZip on Qwen3-VL at 0.1: the batched test above runs every compressor's logic in process."""
+    for name, family, retention in itertools.product(sorted(vllm_compressors()), FAMILIES, (0.25, 0.1)):
+        marks = () if (name, family, retention) == ("visionzip", "qwen3vl", 0.1) else pytest.mark.slow
+        yield pytest.param(name, family, retention, marks=marks, id=f"{name}-{family}-{retention}")
+
+
+@pytest.mark.parametrize("name,family,retention", cli_cases())
+def test_lmms_eval_cli_runs_a_compressor_on_the_vllm_class_in_chunks(fixtures_dir, tmp_path, name, family, retention):
     import subprocess
 
     model_args = dict(
         pretrained=fixtures_dir / family,
-        method="visionzip",
+        method=name,
         retention=retention,
         max_num_frames=8,
         device="cpu",
@@ -193,7 +195,7 @@ def test_lmms_eval_cli_runs_a_compressor_on_the_vllm_class_in_chunks(fixtures_di
     records = sidecar_records(tmp_path)
     assert len(records) == len((fixtures_dir / "smoke_videoqa" / "test.jsonl").read_text().splitlines())
     for r in records:
-        assert r["error"] is None and r["method"] == "visionzip"
+        assert r["error"] is None and r["method"] == name, r["error"]
         assert retention - 0.01 <= r["achieved_retention"] <= retention
         assert len(r["merged_sizes"]) == r["visual_tokens"] and r["compress_s"] > 0
         check_kept(r)
