@@ -12,12 +12,16 @@ the position after the kept tokens' largest; ours keeps the uncompressed prompt'
 
 Frame pairs are vLLM's frames (its Qwen3-VL frames are the merged temporal pairs too). The count: vLLM keeps
 int(N (1 - q)) tokens (at least one per frame); `pruning_rate` finds the rate q at which that is `keep`,
-floor(R N), the count the processor wrote. The seed is unused (vLLM's rule is deterministic; its ties go to
-`topk`'s order). It computes in the features' dtype (bfloat16 on GPUs), as vLLM does.
+floor(R N), the count the processor wrote: 1 - keep / N, nudged down while vLLM keeps fewer (a compressor is
+given `keep`, not R). vLLM started at rate 1 - R keeps as many; its per-frame shares then start from R, less
+than 1 / N above keep / N, which can move a token between frames before its final reconciliation. The seed
+is unused (vLLM's rule is deterministic; its ties go to `topk`'s order). It computes in the features' dtype
+(bfloat16 on GPUs), as vLLM does.
 
 Cost: vLLM's code as it is; its peak holds the gathered half of the channels, their unit rows, and a
 difference to a centre with its square, up to 4 N D/2 values of the features' dtype (`working_bytes`). Host
-syncs: 2 (its per-frame budgets, read once; the indices of its reconciliation step).
+syncs: at most 2 (its per-frame budgets, read once; the indices of its reconciliation step, where the rounded
+budgets miss the target).
 """
 
 from __future__ import annotations
