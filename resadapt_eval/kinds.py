@@ -613,6 +613,12 @@ class EngineCompressor(Compressor):
     name = "engine's own compressor"
     hf, vllm, images = False, True, False
 
+    def engine_args(self, spec) -> dict:
+        """The compressing engine's table, once the engine's code it runs is there (`TokenCompressor.requires`)."""
+        if spec.method.compressor.requires is not None:
+            spec.method.compressor.requires()
+        return super().engine_args(spec)
+
 
 class CompressorThenPruner(Compressor):
     """A compressor followed by the method's own stage inside the LLM (on the tokens that entered):

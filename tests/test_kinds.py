@@ -82,6 +82,20 @@ def test_every_declared_method_is_one_of_the_kinds_and_frame_selection_comes_fro
     assert (layers.prune_layers, layers.stage_layers, layers.prune_layers_text) == ((1, 4, 8), [1, 4, 8], "1;4;8")
 
 
+def test_vllms_own_vidcom2_needs_vllms_code_at_start():
+    """`vidcom2_engine` runs vLLM's VidCom2: without vLLM >= 0.27.0 its engine is refused before it starts,
+    naming what to install; with it, the compressing engine's table holds it."""
+    import importlib.util
+
+    spec = RunSpec.named("vidcom2_engine", 0.25)
+    if importlib.util.find_spec("vllm") is None:
+        with pytest.raises(ImportError, match=r"vLLM's own VidCom2 .*vLLM >= 0.27.0.*method=vidcom2"):
+            spec.kind.engine_args(spec)
+    else:
+        location = "resadapt_eval.baselines.vidcom2_engine:COMPRESSOR"
+        assert spec.kind.engine_args(spec) == dict(token_compression={"vidcom2_engine": location})
+
+
 def test_only_the_engine_side_pruner_sets_the_engines_pruning():
     evs = RunSpec.named("evs", 0.35)
     assert evs.kind is ENGINE_PRUNER
@@ -91,14 +105,14 @@ def test_only_the_engine_side_pruner_sets_the_engines_pruning():
     others = [
         RunSpec.named(name, None if m.full_budget else 0.25)
         for name, m in METHODS.items()
-        if m.kind is not ENGINE_PRUNER
+        if m.kind is not ENGINE_PRUNER and name != "vidcom2_engine"  # that one needs vLLM's code (the test above)
     ]
-    assert len(others) == len(METHODS) - 1 and all("video_pruning_method" not in s.kind.engine_args(s) for s in others)
+    assert len(others) == len(METHODS) - 2 and all("video_pruning_method" not in s.kind.engine_args(s) for s in others)
     # a vision-side compressor's engine runs it inside the model (`vllm_compression`): its own table; the rest none
     for spec in others:
         table = {spec.method.name: spec.method.compressor.location} if spec.method.vllm_compressor else None
         assert spec.kind.engine_args(spec) == ({} if table is None else dict(token_compression=table))
-    assert sum(spec.method.vllm_compressor for spec in others) == 15  # 14 compressors and vLLM's own VidCom2
+    assert sum(spec.method.vllm_compressor for spec in others) == 14
 
 
 def test_the_config_only_table_refuses_what_a_run_refuses():

@@ -100,7 +100,9 @@ class TokenCompressor:
     reads_query: it reads the question's embeddings (`VisualTokens.query`);
     config_flops: `(pair_sizes, keep, vision) -> FLOPs` of its work from configs alone (`vision`:
     the tower's `VisionDims`), or None when the work depends on the features and is counted in a run;
-    fewest_per_pair: `(t, h, w) grid -> tokens`, the fewest a frame pair of that grid can keep (None: one)."""
+    fewest_per_pair: `(t, h, w) grid -> tokens`, the fewest a frame pair of that grid can keep (None: one);
+    requires: `() -> None`, raising ImportError that names what to install where code it runs is missing
+    (vLLM's own VidCom2), checked when an engine is started for it (None: nothing beyond this package)."""
 
     compress: Callable
     working_bytes: Callable[[list[int], int, int], int]
@@ -109,6 +111,7 @@ class TokenCompressor:
     reads_query: bool = False
     config_flops: Callable | None = None
     fewest_per_pair: Callable | None = None
+    requires: Callable[[], None] | None = None
 
     @property
     def location(self) -> str:

@@ -81,4 +81,9 @@ def working_bytes(sizes: list[int], width: int, b: int) -> int:
     return 4 * n * (width // 2) * b + 4 * n * 8
 
 
-COMPRESSOR = TokenCompressor(compress, working_bytes=working_bytes, host_syncs=2)
+def check_installed() -> None:
+    """Raises, naming what to install, where the installed vLLM has no VidCom2."""
+    engine_vidcom2()
+
+
+COMPRESSOR = TokenCompressor(compress, working_bytes=working_bytes, host_syncs=2, requires=check_installed)
