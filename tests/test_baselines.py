@@ -16,7 +16,8 @@ from resadapt_eval.methods import METHODS as REGISTRY
 
 from .helpers import BACKBONES, first_logits_and_text, vanilla_setup
 
-METHODS = sorted(name for name, m in REGISTRY.items() if m.stage == AFTER_MERGER)
+# vLLM's own VidCom2 (`vidcom2_engine`, vLLM classes only) is checked against vLLM in tests/test_vllm_compression.py
+METHODS = sorted(name for name, m in REGISTRY.items() if m.stage == AFTER_MERGER and m.hf)
 
 
 def compressed(adapter, method, retention, seed=0, num_frames=8):

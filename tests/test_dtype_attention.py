@@ -35,7 +35,7 @@ from resadapt_eval.backbones.decode_pruning import DecodePruner
 from resadapt_eval.backbones.layer_pruning import LayerPruner
 from resadapt_eval.budget.plan import plan_from_scales
 from resadapt_eval.budget.policies import BudgetSpec
-from resadapt_eval.methods import IN_ENGINE, METHODS, NO_RETENTION
+from resadapt_eval.methods import METHODS, NO_RETENTION
 from resadapt_eval.pipeline import Request, VideoPipeline, VideoPipelineConfig
 from resadapt_eval.record import SampleRecord
 
@@ -158,7 +158,7 @@ def hf_method(name: str, backbone: str):
     (which stops at start: tests/test_retention_floors.py)."""
     method = METHODS[name]
     if not method.hf:
-        assert method.stage == IN_ENGINE and method.vllm
+        assert method.vllm
         pytest.skip(f"method={name} acts {method.stage.replace('_', ' ')}: the registry runs it on vLLM only")
     if backbone not in method.kind.families:
         pytest.skip(f"method={name} runs on {', '.join(method.kind.families)} only")
