@@ -16,7 +16,7 @@ from resadapt_eval.methods import METHODS as REGISTRY
 
 from .helpers import BACKBONES, first_logits_and_text, vanilla_setup
 
-# vLLM's own VidCom2 (`vidcom2_engine`, vLLM classes only) is checked against vLLM in tests/test_vllm_compression.py
+# vLLM's own VidCom2 (`vidcom2_engine`, vLLM classes only): tests/test_fidelity_vidcom2_engine.py
 METHODS = sorted(name for name, m in REGISTRY.items() if m.stage == AFTER_MERGER and m.hf)
 
 

@@ -15,7 +15,7 @@ from resadapt_eval.methods import METHODS
 # DivPrune and DyCoke 0, FlashVID 1 + 9 F + 1 per multi-frame segment, VisionZip 5 per batch, VidCom2
 # 2, FastVID 6 + S, PruneVid at least 3 F, HoliTom F (F - 1) / 2 + 4 W + 1; PruMerge+ 1 + 6 outliers
 # an image; Pooling, VisPruner and FasterVLM 0, G-Prune 2 a graph, V-CAST T + 7 or more)
-# (vLLM's own VidCom2, `vidcom2_engine`, needs vLLM: counted in tests/test_vllm_compression.py)
+# (vLLM's own VidCom2, `vidcom2_engine`, needs vLLM: counted in tests/test_fidelity_vidcom2_engine.py)
 COMPRESSORS = {
     name: method.compressor for name, method in METHODS.items() if method.compressor is not None and method.hf
 }
