@@ -61,11 +61,11 @@ def pruning_rate(vidcom2, tokens_per_frame: int, frames: int, keep: int) -> floa
 def compress(tokens: VisualTokens, keep: int, seed: int = 0) -> Compression:
     """Assignment (N,): the tokens vLLM's VidCom2 retains keep themselves, the rest are dropped."""
     check_keep(tokens.pair_sizes, keep)
-    sizes = set(tokens.pair_sizes)
     grids = set(tuple(g) for g in tokens.grids)
-    if len(sizes) != 1 or len(grids) != 1:
+    if len(grids) != 1:
         raise ValueError(f"vLLM's VidCom2 takes frames of one size; these pairs have grids {sorted(grids)}")
-    (per_pair,), ((_, h, w),) = sizes, grids
+    ((t, h, w),) = grids
+    per_pair = t * h * w
     vidcom2, pairs = engine_vidcom2(), len(tokens.pair_sizes)
     q = pruning_rate(vidcom2, per_pair, pairs, keep)
     # the grid in merged units with a merge size of 1: vLLM reads only rows x cols tokens per frame from it
