@@ -73,10 +73,11 @@ $(VLLM_STAMP): pyproject.toml envs/vllm.txt
 test-vllm: $(VLLM_STAMP)
 	$(VLLM_PY) -m pytest -q -m "not slow" tests/test_vllm.py tests/test_vllm_compression.py tests/test_vllm_train.py tests/test_fidelity_vidcom2_engine.py
 
-# Every token compressor through the lmms-eval CLI on both vLLM classes at R=0.25 and 0.1 (60 lmms-eval runs,
-# each starting its engine; `make test-vllm` runs one, the batched test every compressor in process).
+# Every token compressor through the lmms-eval CLI on both vLLM classes at R=0.25 and 0.1, FixedScale on both
+# and EVS at both R (64 lmms-eval runs, each starting its engine; `make test-vllm` runs three, the batched test
+# every compressor in process).
 test-vllm-cli-matrix: $(VLLM_STAMP)
-	$(VLLM_PY) -m pytest -q $(XDIST) tests/test_vllm_compression.py -k test_lmms_eval_cli_runs_a_compressor
+	$(VLLM_PY) -m pytest -q $(XDIST) tests/test_vllm.py tests/test_vllm_compression.py -k test_lmms_eval_cli_runs
 
 clean:
 	rm -rf fixtures demo_out

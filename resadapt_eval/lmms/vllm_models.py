@@ -3,8 +3,10 @@
 Same model_args, plans, sidecar records and run totals as `resadapt_<backbone>`; requests are
 answered in chunks through `VideoPipeline.run_batch` (the Allocator runs once per chunk in this
 process, then vLLM generates the chunk). Methods: those the registry marks `vllm` (vanilla,
-fixed_scale, resadapt with any operator, and vLLM's own video pruning, `evs`, whose model names
-`evs_<backbone>` are classes of this module). Token compressors and image suites run on the HF classes.
+fixed_scale, resadapt with any operator, the vision-side token compressors, run inside our vLLM model
+class, and vLLM's own video pruning and VidCom2, `evs` and `vidcom2_engine`, whose model names
+`<method>_<backbone>` are classes of this module). Methods with stages inside the LLM or the vision
+tower, and image suites, run on the HF classes.
 """
 
 from __future__ import annotations
@@ -21,7 +23,8 @@ class ResAdaptQwenVLLM(ResAdaptQwen):
 
     Extra model_args: tensor_parallel_size, gpu_memory_utilization (fraction of GPU memory vLLM
     may take), kv_cache_memory_bytes (KV cache size in bytes; needed on CPU), max_model_len
-    (tokens), chunk_size (requests per vLLM call), seed. `device` is where the Allocator runs.
+    (tokens), chunk_size (requests per vLLM call), seed, enforce_eager (vLLM's: no torch.compile or
+    CUDA graphs; see `VLLMBackbone`). `device` is where the Allocator runs.
     The videos-per-prompt limit is ceil(max_num_frames / 2): one video item per frame pair.
     """
 
@@ -36,10 +39,17 @@ class ResAdaptQwenVLLM(ResAdaptQwen):
         max_model_len: int | None = None,
         chunk_size: int = 32,
         seed: int = 0,
+        enforce_eager: bool = False,
         **kwargs,
     ):
         self.engine_args, self.chunk_size = self.engine_settings(
-            tensor_parallel_size, gpu_memory_utilization, kv_cache_memory_bytes, max_model_len, chunk_size, seed
+            tensor_parallel_size,
+            gpu_memory_utilization,
+            kv_cache_memory_bytes,
+            max_model_len,
+            chunk_size,
+            seed,
+            enforce_eager,
         )
         super().__init__(pretrained, **kwargs)
 
@@ -51,6 +61,7 @@ class ResAdaptQwenVLLM(ResAdaptQwen):
         max_model_len=None,
         chunk_size=32,
         seed=0,
+        enforce_eager=False,
     ) -> tuple[dict, int]:
         """vLLM's arguments and the chunk size from model_args; a bad value names its argument."""
         engine_args = dict(
@@ -59,6 +70,7 @@ class ResAdaptQwenVLLM(ResAdaptQwen):
             kv_cache_memory_bytes=cast_model_arg("kv_cache_memory_bytes", kv_cache_memory_bytes, int | None),
             max_model_len=cast_model_arg("max_model_len", max_model_len, int | None),
             seed=cast_model_arg("seed", seed, int),
+            enforce_eager=cast_model_arg("enforce_eager", enforce_eager, bool),
         )
         chunk = cast_model_arg("chunk_size", chunk_size, int)
         if chunk < 1:
@@ -74,10 +86,17 @@ class ResAdaptQwenVLLM(ResAdaptQwen):
         max_model_len=None,
         chunk_size=32,
         seed=0,
+        enforce_eager=False,
         **model_args,
     ) -> VideoPipelineConfig:
         cls.engine_settings(
-            tensor_parallel_size, gpu_memory_utilization, kv_cache_memory_bytes, max_model_len, chunk_size, seed
+            tensor_parallel_size,
+            gpu_memory_utilization,
+            kv_cache_memory_bytes,
+            max_model_len,
+            chunk_size,
+            seed,
+            enforce_eager,
         )
         return super().checked_config(**model_args)
 

@@ -65,8 +65,8 @@ ROLLOUT_KEYS = (
 ENGINES = ("hf", "vllm")
 # vLLM's own engine arguments: the fraction of each GPU's memory vLLM may take (weights, KV cache and
 # activations; the Allocator shares the GPU), GPUs per engine (tensor parallel), the longest prompt plus
-# answer in tokens (default: the checkpoint's), on CPU the KV cache size in bytes, and vLLM's scheduler
-# settings (chunked prefill, tokens per engine step; see VLLMBackbone).
+# answer in tokens (default: the checkpoint's), on CPU the KV cache size in bytes, vLLM's scheduler
+# settings (chunked prefill, tokens per engine step) and eager mode (no torch.compile; see VLLMBackbone).
 VLLM_KEYS = (
     "gpu_memory_utilization",
     "tensor_parallel_size",
@@ -74,6 +74,7 @@ VLLM_KEYS = (
     "kv_cache_memory_bytes",
     "enable_chunked_prefill",
     "max_num_batched_tokens",
+    "enforce_eager",
 )
 CACHE_KEYS = ("frames_mb", "pairs_mb", "features_mb")
 CACHE_DEFAULTS = dict(frames_mb=4096, pairs_mb=2048, features_mb=2048)
