@@ -357,8 +357,8 @@ def test_base_grid_px_takes_only_the_backbones_grid_or_the_authors_28(fixtures_d
 def test_the_vllm_classes_hand_enforce_eager_to_vllm_and_name_a_bad_value():
     from resadapt_eval.lmms.vllm_models import ResAdaptQwen3VLVLLM, ResAdaptQwen25VLVLLM
 
-    assert ResAdaptQwen25VLVLLM.engine_settings()[0]["enforce_eager"] is False  # vLLM's default: compiled
-    assert ResAdaptQwen25VLVLLM.engine_settings(enforce_eager="true")[0]["enforce_eager"] is True
+    assert ResAdaptQwen25VLVLLM.engine_settings({})[0]["enforce_eager"] is False  # vLLM's default: compiled
+    assert ResAdaptQwen25VLVLLM.engine_settings({"enforce_eager": "true"})[0]["enforce_eager"] is True
     with pytest.raises(ValueError, match="model_args enforce_eager='often': expected bool"):
         ResAdaptQwen3VLVLLM.checked_config(enforce_eager="often")
 

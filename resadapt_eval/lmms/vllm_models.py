@@ -17,6 +17,16 @@ from ..runspec import RunSpec, cast_model_arg
 from .manifests import method_class
 from .models import ResAdaptQwen
 
+# vLLM's own arguments the model_args may set: (name, type, default)
+ENGINE_ARGS = (
+    ("tensor_parallel_size", int, 1),
+    ("gpu_memory_utilization", float, 0.9),
+    ("kv_cache_memory_bytes", int | None, None),
+    ("max_model_len", int | None, None),
+    ("seed", int, 0),
+    ("enforce_eager", bool, False),
+)
+
 
 class ResAdaptQwenVLLM(ResAdaptQwen):
     """`ResAdaptQwen` served by vLLM.
@@ -30,75 +40,26 @@ class ResAdaptQwenVLLM(ResAdaptQwen):
 
     family: str
 
-    def __init__(
-        self,
-        pretrained: str,
-        tensor_parallel_size: int = 1,
-        gpu_memory_utilization: float = 0.9,
-        kv_cache_memory_bytes: int | None = None,
-        max_model_len: int | None = None,
-        chunk_size: int = 32,
-        seed: int = 0,
-        enforce_eager: bool = False,
-        **kwargs,
-    ):
-        self.engine_args, self.chunk_size = self.engine_settings(
-            tensor_parallel_size,
-            gpu_memory_utilization,
-            kv_cache_memory_bytes,
-            max_model_len,
-            chunk_size,
-            seed,
-            enforce_eager,
-        )
+    def __init__(self, pretrained: str, **kwargs):
+        self.engine_args, self.chunk_size, kwargs = self.engine_settings(kwargs)
         super().__init__(pretrained, **kwargs)
 
     @staticmethod
-    def engine_settings(
-        tensor_parallel_size=1,
-        gpu_memory_utilization=0.9,
-        kv_cache_memory_bytes=None,
-        max_model_len=None,
-        chunk_size=32,
-        seed=0,
-        enforce_eager=False,
-    ) -> tuple[dict, int]:
-        """vLLM's arguments and the chunk size from model_args; a bad value names its argument."""
-        engine_args = dict(
-            tensor_parallel_size=cast_model_arg("tensor_parallel_size", tensor_parallel_size, int),
-            gpu_memory_utilization=cast_model_arg("gpu_memory_utilization", gpu_memory_utilization, float),
-            kv_cache_memory_bytes=cast_model_arg("kv_cache_memory_bytes", kv_cache_memory_bytes, int | None),
-            max_model_len=cast_model_arg("max_model_len", max_model_len, int | None),
-            seed=cast_model_arg("seed", seed, int),
-            enforce_eager=cast_model_arg("enforce_eager", enforce_eager, bool),
-        )
+    def engine_settings(model_args: dict) -> tuple[dict, int, dict]:
+        """vLLM's arguments, the chunk size and the other model_args, from model_args; a bad value names
+        its argument."""
+        rest = dict(model_args)
+        engine_args = {name: cast_model_arg(name, rest.pop(name, default), hint) for name, hint, default in ENGINE_ARGS}
+        chunk_size = rest.pop("chunk_size", 32)
         chunk = cast_model_arg("chunk_size", chunk_size, int)
         if chunk < 1:
             raise ValueError(f"chunk_size must be at least 1, got {chunk_size}")
-        return engine_args, chunk
+        return engine_args, chunk, rest
 
     @classmethod
-    def checked_config(
-        cls,
-        tensor_parallel_size=1,
-        gpu_memory_utilization=0.9,
-        kv_cache_memory_bytes=None,
-        max_model_len=None,
-        chunk_size=32,
-        seed=0,
-        enforce_eager=False,
-        **model_args,
-    ) -> VideoPipelineConfig:
-        cls.engine_settings(
-            tensor_parallel_size,
-            gpu_memory_utilization,
-            kv_cache_memory_bytes,
-            max_model_len,
-            chunk_size,
-            seed,
-            enforce_eager,
-        )
-        return super().checked_config(**model_args)
+    def checked_config(cls, **model_args) -> VideoPipelineConfig:
+        *_, rest = cls.engine_settings(model_args)
+        return super().checked_config(**rest)
 
     @classmethod
     def backbone_family(cls) -> str:
